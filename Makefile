@@ -1,0 +1,29 @@
+# The README's two commands: `make book` and `make test`. Both create .venv on first use.
+VENV ?= .venv
+BIN := $(VENV)/bin
+READY := $(VENV)/.ready
+
+.PHONY: book test pytest notebooks clean
+
+$(READY): pyproject.toml tools/setup_env.sh
+	VENV=$(VENV) bash tools/setup_env.sh
+	touch $@
+
+# Executes every chapter; an execution error or any Sphinx warning fails the build.
+book: $(READY)
+	$(BIN)/jupyter-book build . --warningiserror --nitpick --keep-going
+
+# The whole suite: unit and property tests, nbval on the solution notebooks, then the book.
+test: pytest book
+
+pytest: $(READY)
+	$(BIN)/python -m pytest
+
+# Regenerate what is derived from a single source: Colab notebooks from chapter sources,
+# student notebooks from solution notebooks. Tests fail when these are stale.
+notebooks: $(READY)
+	$(BIN)/jupytext --to ipynb --update-metadata '{"jupytext": null}' book/ch*.md
+	$(BIN)/python -m pagedlab.assignments notebooks/solutions notebooks/student
+
+clean:
+	rm -rf _build

@@ -1,0 +1,1 @@
+"""Figures and ipywidgets views of the book."""

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Create .venv with pagedlab and its book and test extras.
+# A machine that already has torch (a GPU box, Colab) keeps it; a CPU-only machine gets a
+# CPU build of torch, never the multi-GB CUDA one that a bare `pip install torch` pulls.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=${VENV:-.venv}
+
+if "$PY" -c "import torch" 2>/dev/null; then
+  echo "setup: keeping the torch that $PY already has"
+  "$PY" -m venv --system-site-packages "$VENV"
+else
+  "$PY" -m venv "$VENV"
+  pip=("$VENV/bin/python" -m pip install --disable-pip-version-check)
+  if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
+    echo "setup: NVIDIA GPU found, installing a CUDA build of torch"
+    "${pip[@]}" torch
+  elif "${pip[@]}" --no-index --no-deps "torch==2.13.0" >/dev/null 2>&1; then
+    # torch's own dependencies come with the project's install below.
+    echo "setup: installed the CPU build of torch 2.13.0 found on local disk"
+  else
+    echo "setup: installing a CPU build of torch from PyTorch's CPU wheel index"
+    "${pip[@]}" torch --index-url "${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}"
+  fi
+fi
+"$VENV/bin/python" -m pip install --disable-pip-version-check -q -e ".[book,test]"
+"$VENV/bin/python" -c "import torch, triton, pagedlab; print('setup: torch', torch.__version__, '| triton', triton.__version__, '| device', pagedlab.device.DEVICE)"
