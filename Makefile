@@ -13,11 +13,12 @@ $(READY): pyproject.toml tools/setup_env.sh
 book: $(READY)
 	$(BIN)/jupyter-book build . --warningiserror --nitpick --keep-going
 
-# The whole suite: unit and property tests, nbval on the solution notebooks, then the book.
-test: pytest book
+# The whole suite: the book build (every chapter executed), then unit and property tests and
+# nbval on the assignment solutions.
+test: book pytest
 
 pytest: $(READY)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --nbval --nbval-sanitize-with notebooks/sanitize.cfg
 
 # Regenerate what is derived from a single source: Colab notebooks from chapter sources,
 # student notebooks from solution notebooks. Tests fail when these are stale.
