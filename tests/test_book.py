@@ -46,7 +46,7 @@ def test_colab_notebook_matches_its_chapter(chapter):
 
 @pytest.mark.parametrize("chapter", CHAPTERS, ids=lambda p: p.stem)
 def test_chapter_installs_pagedlab_on_colab_first(chapter):
-    first = jupytext.read(chapter).cells[0]
+    first = next(c for c in jupytext.read(chapter).cells if c.cell_type == "code")
     assert "pip install" in first.source and "pagedlab" in first.source
 
 
@@ -69,3 +69,15 @@ def test_environment_yml_lists_what_pyproject_declares():
     conda = {_name(d) for d in env if isinstance(d, str)} - {"python", "pip"}
     pip = {_name(d) for d in next(d["pip"] for d in env if isinstance(d, dict)) if not d.startswith("-e")}
     assert {"pytorch" if n == "torch" else n for n in declared} == conda | pip
+
+
+BUILT = ROOT / "_build" / "html"
+
+
+@pytest.mark.skipif(not BUILT.exists(), reason="the book is not built (`make test` builds it first)")
+@pytest.mark.parametrize("chapter", CHAPTERS, ids=lambda p: p.stem)
+def test_built_chapter_has_outputs_and_a_colab_button_to_its_notebook(chapter):
+    html = (BUILT / "book" / f"{chapter.stem}.html").read_text()
+    links = set(re.findall(r"colab\.research\.google\.com/github/[^/]+/[^/]+/blob/[^/]+/([^\"]+)", html))
+    assert links == {f"book/{chapter.stem}.ipynb"}
+    assert 'class="output' in html, "no executed output in the built chapter"

@@ -1,0 +1,22 @@
+"""The calculator's text summary: the numbers chapter 1 quotes, and the no-fit case."""
+
+from pagedlab.viz.kv_calculator import DEFAULTS, kv_calculator, kv_summary
+
+
+def test_default_summary_quotes_table1():
+    text = kv_summary(**DEFAULTS)  # OPT-13B, fp16, one A100-40GB, 2,048 tokens
+    assert "819,200 bytes (800.0 KiB)" in text
+    assert "15,805 token slots" in text
+    assert "Max sequences:   7 of 2,048 tokens" in text
+
+
+def test_summary_says_when_weights_do_not_fit():
+    text = kv_summary(**{**DEFAULTS, "model": "Llama-3-70B"})
+    assert "do not fit on 1 x A100-40GB" in text and "token slots" not in text
+
+
+def test_widget_builds_with_every_control():
+    box = kv_calculator(model="DeepSeek-V3", num_gpus=8, gpu="H200", weight_dtype="fp8")
+    values = {w.description: w.value for row in box.children[:2] for w in row.children}
+    assert values == {"model": "DeepSeek-V3", "KV dtype": "fp16", "GPU": "H200", "GPUs": 8,
+                      "weights": "fp8", "context": 2048}
