@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedlab._checks import check_positive
+from pagedlab._checks import check_positive, lookup_preset
 from pagedlab.dtypes import dtype_bytes, dtype_name
 from pagedlab.hardware import get_gpu
 
@@ -94,11 +94,7 @@ MODELS: dict[str, ModelConfig] = {
 
 def get_model(model) -> ModelConfig:
     """The preset named ``model``; a :class:`ModelConfig` passes through unchanged."""
-    if isinstance(model, ModelConfig):
-        return model
-    if not isinstance(model, str) or model not in MODELS:
-        raise ValueError(f"model={model!r} is not a preset; known models: {', '.join(MODELS)}")
-    return MODELS[model]
+    return lookup_preset("model", model, MODELS, ModelConfig, "models")
 
 
 def kv_bytes_per_token(model, dtype="fp16") -> int:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pagedlab._checks import check_positive
+from pagedlab._checks import check_positive, lookup_preset
 from pagedlab.dtypes import dtype_name
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
@@ -85,8 +85,4 @@ GPUS: dict[str, GPU] = {
 
 def get_gpu(gpu) -> GPU:
     """The preset named ``gpu``; a :class:`GPU` passes through unchanged."""
-    if isinstance(gpu, GPU):
-        return gpu
-    if not isinstance(gpu, str) or gpu not in GPUS:
-        raise ValueError(f"gpu={gpu!r} is not a preset; known GPUs: {', '.join(GPUS)}")
-    return GPUS[gpu]
+    return lookup_preset("gpu", gpu, GPUS, GPU, "GPUs")
