@@ -1,0 +1,122 @@
+"""Request traces: synthetic lengths and arrivals against their targets, the CSV loader's checks."""
+
+import math
+
+import numpy as np
+import pytest
+
+from pagedlab.sim.traces import (
+    DATASETS,
+    Request,
+    clip_to_context,
+    load_trace,
+    poisson_arrivals,
+    sample_lengths,
+    shared_trace_path,
+    synthetic_requests,
+)
+
+
+@pytest.mark.parametrize("dataset", ["sharegpt", "alpaca"])
+def test_synthetic_lengths_have_the_papers_means(dataset):
+    prompt, output = sample_lengths(dataset, 200_000, np.random.default_rng(0))
+    d = DATASETS[dataset]
+    assert prompt.mean() == pytest.approx(d.mean_prompt, rel=0.02)
+    assert output.mean() == pytest.approx(d.mean_output, rel=0.02)
+
+
+@pytest.mark.parametrize("max_context", [2, 64, 2048])
+def test_synthetic_lengths_fit_the_context(max_context):
+    prompt, output = sample_lengths("sharegpt", 20_000, np.random.default_rng(1), max_context)
+    assert prompt.min() >= 1 and output.min() >= 1
+    assert (prompt + output).max() <= max_context
+
+
+def test_synthetic_requests_are_seeded():
+    a = synthetic_requests("alpaca", 50, rate=2.0, seed=3)
+    assert a == synthetic_requests("alpaca", 50, rate=2.0, seed=3)
+    assert a != synthetic_requests("alpaca", 50, rate=2.0, seed=4)
+    assert [r.id for r in a] == list(range(50))
+
+
+def test_poisson_arrivals_have_the_rate():
+    t = poisson_arrivals(100_000, 4.0, np.random.default_rng(0))
+    assert t[0] == 0 and np.all(np.diff(t) >= 0)
+    assert np.diff(t).mean() == pytest.approx(1 / 4.0, rel=0.02)
+    assert not poisson_arrivals(5, math.inf, np.random.default_rng(0)).any()
+    with pytest.raises(ValueError, match="rate=0"):
+        poisson_arrivals(5, 0, np.random.default_rng(0))
+
+
+def test_request_errors_name_the_request_and_field():
+    with pytest.raises(ValueError, match="request 4: output_len=0 must be > 0"):
+        Request(4, 0.0, 10, 0)
+    with pytest.raises(ValueError, match="request 5: prompt_len=2.5 must be an integer"):
+        Request(5, 0.0, 2.5, 3)
+    with pytest.raises(ValueError, match="request 6: arrival=inf must be finite"):
+        Request(6, math.inf, 1, 1)
+    with pytest.raises(ValueError, match="dataset='sharegtp' is not a preset"):
+        synthetic_requests("sharegtp", 3)
+
+
+def test_clip_keeps_the_output_and_truncates_the_prompt():
+    reqs = [Request(0, 0.0, 100, 10), Request(1, 0.0, 5000, 30), Request(2, 0.0, 10, 3000)]
+    clipped = clip_to_context(reqs, 2048)
+    assert [(r.prompt_len, r.output_len) for r in clipped] == [(100, 10), (2018, 30), (1, 2047)]
+
+
+# --- CSV traces ---------------------------------------------------------------------------------
+
+GOOD = "arrived_at,num_prefill_tokens,num_decode_tokens\n0.0,374,44\n4.3,396,109\n4.3,91.0,16\n"
+
+
+def write(tmp_path, text, name="trace.csv"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_load_trace_reads_requests_in_order(tmp_path):
+    path = write(tmp_path, GOOD)
+    assert load_trace(path) == [Request(0, 0.0, 374, 44), Request(1, 4.3, 396, 109),
+                                Request(2, 4.3, 91, 16)]
+    assert len(load_trace(path, limit=2)) == 2
+
+
+@pytest.mark.parametrize("text, message", [
+    ("arrived_at,num_prefill_tokens\n0,1\n", r"trace\.csv, row 1: missing column\(s\) num_decode"),
+    (GOOD + "5.0,-3,10\n", r"trace\.csv, row 5: num_prefill_tokens='-3' must be a non-negative"),
+    (GOOD + "5.0,3,2.5\n", r"row 5: num_decode_tokens='2.5' must be a non-negative integer"),
+    (GOOD + "5.0,3,x\n", r"row 5: num_decode_tokens='x'"),
+    (GOOD + "1.0,3,2\n", r"row 5: arrived_at=1.0 is earlier than the previous row's 4.3"),
+    (GOOD + "soon,3,2\n", r"row 5: arrived_at='soon' is not a number"),
+    (GOOD + "5.0,3,0\n", r"row 5: request 3: output_len=0 must be > 0"),
+])
+def test_load_trace_errors_name_the_file_and_row(tmp_path, text, message):
+    with pytest.raises(ValueError, match=message):
+        load_trace(write(tmp_path, text))
+
+
+def test_shared_trace_path_follows_the_env_var(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDLAB_TRACES", str(tmp_path))
+    assert shared_trace_path("mine") is None
+    write(tmp_path, GOOD, "mine.csv")
+    assert shared_trace_path("mine") == tmp_path / "mine.csv"
+
+
+@pytest.mark.parametrize("name, count, mean_prompt, mean_output", [
+    ("azure_conv_2023", 19_366, 1154.7, 211.1),  # ../shared/traces/README.md
+    ("azure_code_2023", 8_819, 2047.8, 27.9),
+])
+def test_real_azure_traces_load_with_their_published_statistics(
+    monkeypatch, name, count, mean_prompt, mean_output
+):
+    monkeypatch.delenv("PAGEDLAB_TRACES", raising=False)
+    path = shared_trace_path(name)
+    if path is None:
+        pytest.skip(f"{name}.csv is not in ../shared/traces")
+    reqs = load_trace(path)
+    assert len(reqs) == count
+    assert np.mean([r.prompt_len for r in reqs]) == pytest.approx(mean_prompt, abs=0.05)
+    assert np.mean([r.output_len for r in reqs]) == pytest.approx(mean_output, abs=0.05)
+    assert reqs[-1].arrival <= 3600  # one hour
