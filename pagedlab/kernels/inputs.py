@@ -1,0 +1,92 @@
+"""Random decode batches on a paged KV cache, for tests, benchmarks and chapters.
+
+Slots that no sequence uses are filled with NaN (by default), so a kernel that reads past a
+sequence's last token, or through a table entry past its last block, shows it in its output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["PagedDecodeInputs", "random_paged_inputs"]
+
+LAYOUTS = ("permuted", "random")
+
+
+@dataclass
+class PagedDecodeInputs:
+    """The arguments of ``paged_attention`` for one decode step."""
+
+    query: Tensor  # [num_seqs, num_heads, head_dim]
+    key_cache: Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: Tensor  # same shape as key_cache
+    block_tables: Tensor  # int32 [num_seqs, max_blocks_per_seq]
+    seq_lens: Tensor  # int32 [num_seqs]
+
+    def args(self) -> tuple[Tensor, ...]:
+        return self.query, self.key_cache, self.value_cache, self.block_tables, self.seq_lens
+
+
+def random_paged_inputs(
+    seq_lens,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    device=None,
+    layout: str = "permuted",
+    spare_blocks: int = 2,
+    spare_table_entries: int = 1,
+    fill: float = float("nan"),
+    seed: int = 0,
+) -> PagedDecodeInputs:
+    """Gaussian queries, keys and values for sequences of the given lengths, in blocks of a cache.
+
+    ``layout="permuted"``: the blocks the batch needs, shuffled and dealt out, each owned once.
+    ``layout="random"``: each table entry drawn from the whole cache, so sequences may share
+    blocks (as after a fork). The cache has ``spare_blocks`` blocks beyond what the batch needs;
+    each table has ``spare_table_entries`` columns past the longest sequence's last block, all
+    pointing at random blocks. Every slot no sequence reads holds ``fill``.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    device = torch.device(device or "cpu")
+    g = torch.Generator(device=device).manual_seed(seed)
+    lens = torch.tensor(list(seq_lens), dtype=torch.int64)  # [num_seqs]
+    needed = (lens + block_size - 1) // block_size  # [num_seqs] blocks per sequence
+    max_blocks = int(needed.max()) + spare_table_entries
+    num_blocks = int(needed.sum()) + spare_blocks
+
+    def randint(high, shape):
+        return torch.randint(high, shape, generator=g, device=device)
+
+    # Table entries, the spare columns included: random blocks, or a permutation dealt in order.
+    tables = randint(num_blocks, (len(lens), max_blocks))  # [num_seqs, max_blocks]
+    if layout == "permuted":
+        perm = torch.randperm(num_blocks, generator=g, device=device)
+        used = torch.arange(max_blocks) < needed[:, None]  # [num_seqs, max_blocks], on the CPU
+        tables[used.to(device)] = perm[: int(needed.sum())]
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, device=device, dtype=dtype)
+
+    query = randn(len(lens), num_heads, head_dim)
+    key_cache = randn(num_blocks, block_size, num_kv_heads, head_dim)
+    value_cache = randn(num_blocks, block_size, num_kv_heads, head_dim)
+
+    # Slots read by some sequence: token t of sequence i is in slot tables[i, t // B] * B + t % B.
+    tok = torch.arange(max_blocks * block_size, device=device)  # [capacity]
+    slots = tables[:, tok // block_size] * block_size + tok % block_size  # [num_seqs, capacity]
+    read = torch.zeros(num_blocks * block_size, dtype=torch.bool, device=device)
+    read[slots[tok < lens.to(device)[:, None]]] = True
+    for cache in (key_cache, value_cache):
+        cache.view(-1, num_kv_heads, head_dim)[~read] = fill
+
+    return PagedDecodeInputs(
+        query, key_cache, value_cache, tables.to(torch.int32), lens.to(device, torch.int32)
+    )

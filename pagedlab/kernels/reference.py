@@ -1,0 +1,97 @@
+"""Paged decode attention and the KV-cache operations in plain torch: the spec for the kernels.
+
+Each function has the signature of its Triton counterpart in :mod:`pagedlab.kernels` and is
+written to be read, not to be fast: a Python loop over sequences, each sequence's keys and values
+gathered through its block table, attention computed in fp32.
+
+Layouts (the same everywhere in pagedlab)::
+
+    key_cache, value_cache  [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables            int32 [num_seqs, max_blocks_per_seq]: logical block -> physical block
+    token t of a sequence   lives in block block_tables[seq, t // block_size], slot t % block_size
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from pagedlab.kernels.validate import (
+    check_copy_blocks,
+    check_paged_attention,
+    check_reshape_and_cache,
+    check_swap_blocks,
+)
+
+__all__ = ["gather_kv", "paged_attention", "reshape_and_cache", "copy_blocks", "swap_blocks"]
+
+
+def gather_kv(cache: Tensor, block_table: Tensor, seq_len: int) -> Tensor:
+    """One sequence's first ``seq_len`` tokens, made contiguous: [seq_len, num_kv_heads, head_dim].
+
+    cache [num_blocks, block_size, num_kv_heads, head_dim]; block_table [max_blocks_per_seq].
+    """
+    block_size = cache.shape[1]
+    num_used = -(-seq_len // block_size)  # blocks holding the sequence, the last maybe partial
+    blocks = block_table[:num_used].long()  # [num_used] physical block ids
+    return cache[blocks].flatten(0, 1)[:seq_len]  # [num_used * block_size, H, D] -> [seq_len, H, D]
+
+
+def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, *, scale=None):
+    """One decode step: each sequence's query attends to its ``seq_lens[i]`` cached tokens.
+
+    query [num_seqs, num_heads, head_dim] -> [num_seqs, num_heads, head_dim] in query's dtype.
+    Query head h reads KV head h // (num_heads // num_kv_heads) (MHA, GQA and MQA alike).
+    """
+    scale = check_paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale)
+    group = query.shape[1] // key_cache.shape[2]  # query heads per KV head
+    out = query.new_empty(query.shape)  # [num_seqs, num_heads, head_dim]
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        k = gather_kv(key_cache, block_tables[i], seq_len).float()  # [seq_len, num_kv_heads, D]
+        v = gather_kv(value_cache, block_tables[i], seq_len).float()
+        k = k.repeat_interleave(group, dim=1)  # [seq_len, num_heads, D]: each KV head, group times
+        v = v.repeat_interleave(group, dim=1)
+        q = query[i].float()  # [num_heads, D]
+        logits = torch.einsum("hd,thd->ht", q, k) * scale  # [num_heads, seq_len]
+        probs = logits.softmax(dim=-1)  # [num_heads, seq_len], fp32
+        out[i] = torch.einsum("ht,thd->hd", probs, v).to(query.dtype)  # [num_heads, D]
+    return out
+
+
+def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
+    """Write each new token's key and value into its cache slot; a negative slot is skipped.
+
+    key, value [num_tokens, num_kv_heads, head_dim]; slot_mapping int64 [num_tokens] with
+    slot = block * block_size + offset (negative for padding tokens that own no slot).
+    """
+    check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    block_size = key_cache.shape[1]
+    keep = slot_mapping >= 0  # [num_tokens]
+    slots = slot_mapping[keep]  # [num_kept]
+    blocks, offsets = slots // block_size, slots % block_size  # [num_kept] each
+    key_cache[blocks, offsets] = key[keep]  # [num_kept, num_kv_heads, head_dim]
+    value_cache[blocks, offsets] = value[keep]
+
+
+def copy_blocks(key_caches, value_caches, block_mapping) -> None:
+    """Copy whole blocks within each layer's caches: copy-on-write for forked sequences.
+
+    key_caches, value_caches: lists of per-layer caches; block_mapping int64 [num_pairs, 2] of
+    (src, dst). Destinations are fresh blocks, so the order of the copies does not matter.
+    """
+    check_copy_blocks(key_caches, value_caches, block_mapping)
+    src, dst = block_mapping.unbind(1)  # [num_pairs] each
+    for key_cache, value_cache in zip(key_caches, value_caches):
+        key_cache[dst] = key_cache[src]  # [num_pairs, block_size, num_kv_heads, head_dim]
+        value_cache[dst] = value_cache[src]
+
+
+def swap_blocks(src_cache, dst_cache, block_mapping) -> None:
+    """Copy blocks from one cache to another, e.g. GPU to CPU when a sequence is swapped out.
+
+    src_cache [num_src_blocks, ...], dst_cache [num_dst_blocks, ...] (same block shape, any
+    devices); block_mapping int64 [num_pairs, 2] of (src block, dst block).
+    """
+    check_swap_blocks(src_cache, dst_cache, block_mapping)
+    for src, dst in block_mapping.tolist():
+        dst_cache[dst].copy_(src_cache[src])
