@@ -2,5 +2,16 @@
 
 from pagedlab import device  # first: it routes Triton through the interpreter on a CPU
 
-__all__ = ["device"]
+__all__ = ["device", "LLM", "SamplingParams", "BeamSearchParams"]
 __version__ = "0.1.0"
+
+_ENGINE = ("LLM", "SamplingParams", "BeamSearchParams")
+
+
+def __getattr__(name):
+    """``from pagedlab import LLM, SamplingParams``, importing the engine only when asked."""
+    if name in _ENGINE:
+        from pagedlab import engine
+
+        return getattr(engine, name)
+    raise AttributeError(f"module 'pagedlab' has no attribute {name!r}")

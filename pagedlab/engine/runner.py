@@ -1,0 +1,119 @@
+"""The model runner: owns the KV cache tensors and runs a scheduled step on the model.
+
+The scheduler hands it a :class:`~pagedlab.engine.scheduler.Step`; the runner makes the
+step's block copies (swaps, then copy-on-write), turns the step into a
+:class:`~pagedlab.model.ForwardBatch` (token ids, positions, slots, block tables) and runs the
+model. The simulator of chapter 9 replaces exactly this class with a cost model.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from pagedlab.engine.scheduler import Step
+from pagedlab.memory import KVCacheManager
+from pagedlab.model import ForwardBatch, PagedLlama, Prefill
+
+CPU_KV_BYTES = 1 << 30  # KV space on a CPU-only machine: 1 GiB, scaled by gpu_memory_utilization
+
+
+def block_bytes(model: PagedLlama, block_size: int) -> int:
+    """Bytes of one block: keys and values of ``block_size`` tokens in every layer."""
+    a = model.args
+    per_token = 2 * a.num_layers * a.num_kv_heads * a.head_dim * model.dtype.itemsize
+    return block_size * per_token
+
+
+def profile_num_blocks(model: PagedLlama, block_size: int, gpu_memory_utilization: float) -> int:
+    """GPU blocks that fit: on CUDA, the free memory above a ``1 - utilization`` headroom left
+    for activations and other processes; on a CPU, a share of :data:`CPU_KV_BYTES`."""
+    if model.device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(model.device)
+        kv_bytes = free - (1 - gpu_memory_utilization) * total
+    else:
+        kv_bytes = gpu_memory_utilization * CPU_KV_BYTES
+    return max(int(kv_bytes // block_bytes(model, block_size)), 0)
+
+
+class ModelRunner:
+    """Per-layer key and value caches on the model's device, their CPU swap space, and the
+    forward pass of a step."""
+
+    def __init__(
+        self, model: PagedLlama, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int
+    ):
+        self.model = model
+        a = model.args
+        shape = (block_size, a.num_kv_heads, a.head_dim)  # one block
+        dev, pin = model.device, model.device.type == "cuda"
+
+        def caches(num_blocks, device, pin_memory=False):
+            return [
+                tuple(torch.zeros(num_blocks, *shape, dtype=model.dtype, device=device,
+                                  pin_memory=pin_memory) for _ in "kv")
+                for _ in range(a.num_layers)
+            ]  # per layer: [num_blocks, block_size, num_kv_heads, head_dim] twice
+
+        self.kv_caches = caches(num_gpu_blocks, dev)
+        self.cpu_caches = caches(num_cpu_blocks, "cpu", pin)
+
+    def execute(self, step: Step, manager: KVCacheManager) -> Tensor:
+        """Run ``step``; return fp32 logits [num_seqs, vocab] in the order of ``step.seqs``."""
+        self._move_blocks(step)
+        batch, last = self.prepare(step, manager)
+        hidden = self.model(batch, self.kv_caches)  # [num_tokens, hidden]
+        return self.model.compute_logits(hidden[last])
+
+    def _move_blocks(self, step: Step) -> None:
+        """Swaps first, then copy-on-write: the order the manager's docstring requires."""
+        ops = self.model.ops
+        for pairs, src, dst in (
+            (step.swap_out, self.kv_caches, self.cpu_caches),
+            (step.swap_in, self.cpu_caches, self.kv_caches),
+        ):
+            if pairs:
+                mapping = torch.tensor(pairs, dtype=torch.int64)  # [num_pairs, 2]
+                for src_layer, dst_layer in zip(src, dst):
+                    for src_cache, dst_cache in zip(src_layer, dst_layer):
+                        ops.swap_blocks(src_cache, dst_cache, mapping)
+        if step.copies:
+            mapping = torch.tensor(step.copies, dtype=torch.int64, device=self.model.device)
+            keys, values = zip(*self.kv_caches)
+            ops.copy_blocks(list(keys), list(values), mapping)
+
+    def prepare(self, step: Step, manager: KVCacheManager) -> tuple[ForwardBatch, Tensor]:
+        """The step as tensors, and the row of each sequence's last token (its logits)."""
+        ids, positions, slots, prefills = [], [], [], []
+        for seq, cached in step.prefills:
+            n = len(seq)
+            start = len(ids)
+            ids += seq.token_ids[cached:]
+            positions += range(cached, n)
+            slots += manager.slot_mapping(seq.seq_id, cached, n)
+            table = torch.tensor(manager.block_table(seq.seq_id), dtype=torch.int32)
+            prefills.append(Prefill(start, len(ids), cached, table.to(self.model.device)))
+        tables, lens = [], []
+        for seq in step.decodes:
+            n = len(seq)
+            ids.append(seq.token_ids[-1])
+            positions.append(n - 1)
+            slots += manager.slot_mapping(seq.seq_id, n - 1, n)
+            tables.append(manager.block_table(seq.seq_id))
+            lens.append(n)
+        width = max(map(len, tables), default=0)
+        padded = [t + [0] * (width - len(t)) for t in tables]  # block 0 pads; never read
+        last = [p.end - 1 for p in prefills] + list(range(len(ids) - len(lens), len(ids)))
+
+        def tensor(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=self.model.device)
+
+        batch = ForwardBatch(
+            input_ids=tensor(ids, torch.int64),  # [num_tokens]
+            positions=tensor(positions, torch.int64),  # [num_tokens]
+            slot_mapping=tensor(slots, torch.int64),  # [num_tokens]
+            prefills=prefills,
+            block_tables=tensor(padded, torch.int32).view(len(lens), width),  # [num_decodes, width]
+            seq_lens=tensor(lens, torch.int32),  # [num_decodes]
+        )
+        return batch, tensor(last, torch.int64)

@@ -1,0 +1,125 @@
+"""Requests as the scheduler sees them: sequences, and the groups they form (chapter 6).
+
+A request becomes a :class:`SequenceGroup`: one sequence at first, ``n`` after its prompt when
+it samples in parallel, up to ``beam_width`` beams in beam search. The group is the unit of
+scheduling: its sequences share blocks, so they are admitted, preempted, swapped and resumed
+together. A sequence's last output token is *pending*: sampled, but its key and value are
+written only by the next step's forward pass.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class GroupStatus(enum.Enum):
+    """Where a group is in its life: the scheduler's three queues, then done."""
+
+    WAITING = "waiting"  # not admitted yet, or preempted by recomputation
+    RUNNING = "running"  # its blocks are on the GPU; it decodes every step
+    SWAPPED = "swapped"  # preempted by swapping: its blocks wait in the CPU pool
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One stream of tokens: the shared prompt and this sequence's outputs."""
+
+    seq_id: int  # the KV-cache manager's id
+    prompt_token_ids: list[int]
+    index: int = 0  # which completion of its request (parallel sampling)
+    output_token_ids: list[int] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None  # "stop", "length" or "abort" once finished
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def __len__(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def append(self, token: int, logprob: float) -> None:
+        self.output_token_ids.append(token)
+        self.cumulative_logprob += logprob
+
+    def fork(self, seq_id: int, index: int) -> Sequence:
+        """A copy under a new id: same tokens and score, so far."""
+        return Sequence(
+            seq_id,
+            self.prompt_token_ids,
+            index,
+            self.output_token_ids.copy(),
+            self.cumulative_logprob,
+        )
+
+
+@dataclass(eq=False)
+class SequenceGroup:
+    """One request: its sequences, parameters and status.
+
+    ``params`` is a :class:`~pagedlab.engine.sampling.SamplingParams` or a
+    :class:`~pagedlab.engine.beam_search.BeamSearchParams`; ``stop_token_ids`` holds the
+    tokens that end a sequence (the model's EOS unless ignored, plus the request's own);
+    ``generators`` the random stream of each parallel sample (by index); ``completed`` the
+    finished beams of beam search, best first.
+    """
+
+    request_id: str
+    arrival: int  # order of arrival: the scheduler serves first come, first served
+    prompt_token_ids: list[int]
+    seqs: list[Sequence]
+    params: object
+    is_beam_search: bool = False
+    stop_token_ids: frozenset[int] = frozenset()
+    generators: list = field(default_factory=list)  # [n] torch.Generator or None
+    status: GroupStatus = GroupStatus.WAITING
+    completed: list = field(default_factory=list)  # BeamSearchSequence, beam search only
+    blocks_to_swap_in: int = 0  # while swapped out: GPU blocks to come back and decode
+
+    @property
+    def live(self) -> list[Sequence]:
+        """The sequences still generating: each holds blocks unless the group is waiting."""
+        return [s for s in self.seqs if not s.is_finished]
+
+    @property
+    def is_prefilled(self) -> bool:
+        """Has the prompt been through the model once (so the group has forked, if it will)?"""
+        return any(s.output_token_ids for s in self.seqs)
+
+    @property
+    def max_seqs(self) -> int:
+        """Sequences it may run at once: the seats admission reserves for it. Parallel samples
+        only ever finish; beams may come back to ``beam_width`` after some ended."""
+        if self.is_prefilled and not self.is_beam_search:
+            return len(self.live)
+        return self.params.width
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is GroupStatus.FINISHED
+
+
+@dataclass
+class SequenceOutput:
+    """A token chosen for a child of ``parent``: the parent itself for its first child, a fork
+    of it for any other (parallel sampling after the prompt, beam search)."""
+
+    parent: Sequence
+    token: int
+    logprob: float
+
+
+@dataclass
+class GroupOutput:
+    """What a step produced for one group: its children, and whether the group is done (beam
+    search decides that as a whole; sampled sequences finish one by one)."""
+
+    group: SequenceGroup
+    children: list[SequenceOutput]
+    done: bool = False

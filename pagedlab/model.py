@@ -1,0 +1,388 @@
+"""A small Llama-family decoder that keeps its keys and values in the paged KV cache (chapter 8).
+
+The architecture of Llama and Qwen2: RMSNorm, rotary position embeddings (the default RoPE
+with ``rope_theta``), grouped-query attention (MHA and MQA are its ends), a SwiGLU MLP,
+optional q/k/v biases (Qwen2) and a tied or separate ``lm_head``. Parameter names follow
+transformers', so a checkpoint loads with ``load_state_dict``.
+
+Attention is where paging enters. Every forward pass first writes the new tokens' keys and
+values into the cache with ``reshape_and_cache``; then each prefill attends over its tokens
+(plus any prefix already cached) with torch's SDPA, and all decodes attend together through
+``paged_attention``. One pass serves a batch that mixes prefills and decodes: the linear
+layers run over all tokens at once, only attention looks at sequences one by one.
+
+``kernels`` picks the implementation of the cache operations: ``"triton"``
+(:mod:`pagedlab.kernels`) or ``"reference"`` (:mod:`pagedlab.kernels.reference`, plain torch,
+much faster on a CPU, where Triton runs through its interpreter). The default is Triton on
+CUDA and the reference on a CPU.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from pagedlab.device import DEVICE, HAS_CUDA
+from pagedlab.kernels.reference import gather_kv
+
+KERNELS = {"triton": "pagedlab.kernels", "reference": "pagedlab.kernels.reference"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+__all__ = [
+    "ARCHITECTURES",
+    "KERNELS",
+    "ForwardBatch",
+    "ModelArgs",
+    "PagedLlama",
+    "Prefill",
+    "UnsupportedModel",
+    "from_hf",
+    "from_pretrained",
+    "load_kernels",
+]
+
+
+class UnsupportedModel(ValueError):
+    """A checkpoint asks for something this model does not implement; names the field."""
+
+
+# --- configuration --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """The shape of a Llama-family model: what the engine needs from a transformers config."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    qkv_bias: bool = False  # Qwen2: biases on the q, k and v projections
+    tie_word_embeddings: bool = False
+    eos_token_ids: tuple[int, ...] = ()
+    model_type: str = "llama"
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise UnsupportedModel(
+                f"num_key_value_heads={self.num_kv_heads} must divide "
+                f"num_attention_heads={self.num_heads}"
+            )
+
+    @classmethod
+    def from_hf_config(cls, config: dict) -> ModelArgs:
+        """Read a transformers ``config.json`` (as a dict); reject what the model lacks."""
+        model_type = config.get("model_type")
+        if model_type not in ARCHITECTURES:
+            raise UnsupportedModel(
+                f"model_type={model_type!r} is not supported; supported: {', '.join(ARCHITECTURES)}"
+            )
+        supported = {"hidden_act": "silu", "mlp_bias": False, "use_sliding_window": False}
+        if model_type == "llama":  # Llama's attention_bias also puts a bias on o_proj
+            supported["attention_bias"] = False
+        for field, value in supported.items():
+            if config.get(field, value) != value:
+                raise UnsupportedModel(
+                    f"{field}={config[field]!r} is not supported (only {value!r})"
+                )
+        heads = config["num_attention_heads"]
+        eos = config.get("eos_token_id")
+        return cls(
+            vocab_size=config["vocab_size"],
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_layers=config["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            rope_theta=_rope_theta(config),
+            qkv_bias=model_type == "qwen2",
+            tie_word_embeddings=config.get("tie_word_embeddings", False),
+            eos_token_ids=tuple([] if eos is None else [eos] if isinstance(eos, int) else eos),
+            model_type=model_type,
+        )
+
+
+def _rope_theta(config: dict) -> float:
+    """``rope_theta`` of the default RoPE, from transformers 5's ``rope_parameters`` or the
+    older top-level ``rope_theta`` and ``rope_scaling``; any other RoPE variant is an error."""
+    params = config.get("rope_parameters") or {}
+    scaling = config.get("rope_scaling") or {}
+    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind != "default":
+        field = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
+        raise UnsupportedModel(f"{field} type {kind!r} is not supported (only the default RoPE)")
+    return float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+
+
+def load_kernels(kernels: str | None) -> tuple[str, ModuleType]:
+    """(name, module) of the cache operations ``kernels`` names; None: Triton on CUDA, else the
+    reference."""
+    name = kernels or ("triton" if HAS_CUDA else "reference")
+    if name not in KERNELS:
+        raise ValueError(f"kernels={kernels!r} must be one of {', '.join(KERNELS)}")
+    return name, importlib.import_module(KERNELS[name])
+
+
+# --- what one forward pass computes ---------------------------------------------------------
+
+
+@dataclass
+class Prefill:
+    """One sequence's prompt chunk in a batch: rows ``[start, end)`` of the batch's tokens,
+    following ``num_cached`` tokens already in the cache (a prefix-cache hit)."""
+
+    start: int
+    end: int
+    num_cached: int
+    block_table: Tensor  # int32 [num_blocks]: read only when num_cached > 0
+
+
+@dataclass
+class ForwardBatch:
+    """The tokens of one step: every prefill's tokens first, then one token per decode."""
+
+    input_ids: Tensor  # int64 [num_tokens]
+    positions: Tensor  # int64 [num_tokens]
+    slot_mapping: Tensor  # int64 [num_tokens]: where each token's key and value go
+    prefills: list[Prefill]
+    block_tables: Tensor  # int32 [num_decodes, max_blocks]
+    seq_lens: Tensor  # int32 [num_decodes]: cached tokens, the decoded one included
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return self.prefills[-1].end if self.prefills else 0
+
+
+# --- the layers -----------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in fp32 as transformers does."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype) -> tuple[Tensor, Tensor]:
+    """cos and sin of each position's rotation angles, [num_tokens, 1, head_dim] each."""
+    dims = torch.arange(0, head_dim, 2, dtype=torch.float, device=positions.device)
+    inv_freq = 1.0 / (theta ** (dims / head_dim))  # [head_dim / 2]
+    freqs = positions[:, None].float() * inv_freq  # [num_tokens, head_dim / 2]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [num_tokens, 1, head_dim]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate each head's (i, i + head_dim/2) pairs; x [num_tokens, heads, head_dim]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def prefill_attention(q: Tensor, k: Tensor, v: Tensor, num_cached: int) -> Tensor:
+    """Causal attention of a prompt chunk's queries over the cached prefix and the chunk.
+
+    q [n, num_heads, D]; k, v [num_cached + n, num_kv_heads, D] -> [n, num_heads, D]. Query i
+    sits at position num_cached + i, so it sees keys 0..num_cached + i.
+    """
+    n, length = q.shape[0], k.shape[0]
+    q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [heads, tokens, D]
+    mask = None
+    if num_cached:
+        rows = torch.arange(n, device=q.device)[:, None] + num_cached  # [n, 1]
+        mask = torch.arange(length, device=q.device)[None, :] <= rows  # [n, num_cached + n]
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=not num_cached, enable_gqa=True
+    )  # [num_heads, n, D]
+    return out.transpose(0, 1)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention on the paged cache."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        h, kv, d = args.num_heads, args.num_kv_heads, args.head_dim
+        self.q_proj = nn.Linear(args.hidden_size, h * d, bias=args.qkv_bias)
+        self.k_proj = nn.Linear(args.hidden_size, kv * d, bias=args.qkv_bias)
+        self.v_proj = nn.Linear(args.hidden_size, kv * d, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(h * d, args.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, kv_cache, batch: ForwardBatch, ops: ModuleType) -> Tensor:
+        n, d = x.shape[0], self.args.head_dim
+        key_cache, value_cache = kv_cache  # [num_blocks, block_size, num_kv_heads, D] each
+        q = apply_rope(self.q_proj(x).view(n, -1, d), cos, sin)  # [n, num_heads, D]
+        k = apply_rope(self.k_proj(x).view(n, -1, d), cos, sin)  # [n, num_kv_heads, D]
+        v = self.v_proj(x).view(n, -1, d)  # [n, num_kv_heads, D]
+        ops.reshape_and_cache(k, v, key_cache, value_cache, batch.slot_mapping)
+        out = torch.empty_like(q)  # [n, num_heads, D]
+        for p in batch.prefills:
+            if p.num_cached:  # the prefix lives only in the cache: read it back with the chunk
+                length = p.num_cached + p.end - p.start
+                keys = gather_kv(key_cache, p.block_table, length)  # [length, num_kv_heads, D]
+                values = gather_kv(value_cache, p.block_table, length)
+            else:
+                keys, values = k[p.start : p.end], v[p.start : p.end]
+            out[p.start : p.end] = prefill_attention(q[p.start : p.end], keys, values, p.num_cached)
+        first = batch.num_prefill_tokens
+        if first < n:
+            out[first:] = ops.paged_attention(
+                q[first:], key_cache, value_cache, batch.block_tables, batch.seq_lens
+            )  # [num_decodes, num_heads, D]
+        return self.o_proj(out.view(n, -1))  # [n, hidden]
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention and MLP, each around a residual connection."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.self_attn = Attention(args)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.mlp = MLP(args)
+
+    def forward(self, x, cos, sin, kv_cache, batch, ops) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, batch, ops)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    """Embedding, the decoder layers and the final norm (transformers' ``model.*`` weights)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+
+class PagedLlama(nn.Module):
+    """A Llama or Qwen2 causal LM whose attention reads and writes the paged KV cache."""
+
+    def __init__(self, args: ModelArgs, *, kernels: str | None = None):
+        super().__init__()
+        self.args = args
+        self.model = Decoder(args)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.kernels = kernels
+
+    @property
+    def kernels(self) -> str:
+        """Which cache operations attention calls: ``"triton"`` or ``"reference"``."""
+        return self._kernels
+
+    @kernels.setter
+    def kernels(self, name: str | None) -> None:
+        self._kernels, self.ops = load_kernels(name)
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv_caches: list[tuple[Tensor, Tensor]]) -> Tensor:
+        """Hidden states after the final norm, [num_tokens, hidden]; writes the tokens' KV."""
+        a = self.args
+        x = self.model.embed_tokens(batch.input_ids)  # [num_tokens, hidden]
+        cos, sin = rope_cos_sin(batch.positions, a.head_dim, a.rope_theta, x.dtype)
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            x = layer(x, cos, sin, kv_cache, batch, self.ops)
+        return self.model.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """[num_rows, hidden] -> fp32 logits [num_rows, vocab_size]."""
+        return self.lm_head(hidden).float()
+
+
+# --- loading --------------------------------------------------------------------------------
+
+
+def _build(config: dict, state_dict: dict, kernels, dtype, device) -> PagedLlama:
+    args = ModelArgs.from_hf_config(config)
+    with torch.device("meta"):
+        model = PagedLlama(args, kernels=kernels)
+    # assign=True adopts the given tensors (no copy); a tied lm_head is re-tied afterwards.
+    result = model.load_state_dict(state_dict, strict=False, assign=True)
+    if args.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    unexpected = [k for k in result.unexpected_keys if not k.endswith("rotary_emb.inv_freq")]
+    if unexpected:
+        raise UnsupportedModel(f"the checkpoint has weights this model lacks: {unexpected}")
+    missing = [name for name, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise UnsupportedModel(f"the checkpoint lacks weights: {missing}")
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def from_hf(hf_model, *, kernels: str | None = None) -> PagedLlama:
+    """The weights of a transformers ``LlamaForCausalLM`` or ``Qwen2ForCausalLM``, on the paged
+    cache: same device and dtype, the same tensors (shared, not copied)."""
+    name = type(hf_model).__name__
+    if name not in ARCHITECTURES.values():
+        raise UnsupportedModel(
+            f"{name} is not supported; supported: {', '.join(ARCHITECTURES.values())}"
+        )
+    weight = hf_model.lm_head.weight
+    state = {k: v.detach() for k, v in hf_model.state_dict().items()}
+    return _build(hf_model.config.to_dict(), state, kernels, weight.dtype, weight.device)
+
+
+def from_pretrained(
+    path, *, kernels: str | None = None, dtype: torch.dtype | None = None, device=None
+) -> PagedLlama:
+    """Load a local checkpoint directory (``config.json`` and ``*.safetensors``), no network.
+
+    ``dtype`` defaults to the stored weights' dtype, ``device`` to :data:`pagedlab.device.DEVICE`.
+    """
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    config = json.loads((path / "config.json").read_text())
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors file in {path}")
+    state = {k: v for f in files for k, v in load_file(f).items()}
+    dtype = dtype or state["model.embed_tokens.weight"].dtype
+    return _build(config, state, kernels, dtype, device or DEVICE)

@@ -1,0 +1,62 @@
+"""Tiny random Llama and Qwen2 models from configs (no network), and transformers references.
+
+``initializer_range`` is raised to 0.4 so that greedy decoding varies from prompt to prompt:
+at the default 0.02 a tiny model repeats one token and an equivalence test could hardly fail.
+"""
+
+import torch
+
+import pagedlab  # noqa: F401  (before transformers, which imports triton: see pagedlab.device)
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+# name -> (config class, model class, shape): MHA, GQA and MQA; head_dim 32 and 64; 2-4 layers
+MODELS = {
+    "llama-mha-d32": (LlamaConfig, LlamaForCausalLM,
+                      dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=4,
+                           num_hidden_layers=2, vocab_size=256)),
+    "llama-gqa-d64": (LlamaConfig, LlamaForCausalLM,
+                      dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                           num_hidden_layers=3, vocab_size=192)),
+    "qwen2-mqa-d32-tied": (Qwen2Config, Qwen2ForCausalLM,
+                           dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=1,
+                                num_hidden_layers=2, vocab_size=128, tie_word_embeddings=True)),
+    "qwen2-gqa-d64": (Qwen2Config, Qwen2ForCausalLM,
+                      dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                           num_hidden_layers=4, vocab_size=256)),
+}
+
+
+def tiny_hf(name: str, seed: int = 0, **overrides):
+    """A random transformers model of the named shape, in eval mode, fp32, on the CPU."""
+    config_cls, model_cls, shape = MODELS[name]
+    fields = dict(
+        shape,
+        intermediate_size=2 * shape["hidden_size"],
+        initializer_range=0.4,
+        max_position_embeddings=512,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    config = config_cls(**{**fields, **overrides})
+    torch.manual_seed(seed)
+    return model_cls(config).eval()
+
+
+def random_prompts(lengths, vocab_size: int, seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab_size, (n,), generator=g).tolist() for n in lengths]
+
+
+def hf_greedy(hf, prompt: list[int], max_new_tokens: int, eos: int | None = None) -> list[int]:
+    """transformers' greedy completion of one prompt (it stops after an EOS, included)."""
+    out = hf_generate(hf, prompt, max_new_tokens=max_new_tokens, eos_token_id=eos)
+    return out[0, len(prompt):].tolist()
+
+
+def hf_generate(hf, prompt: list[int], **kwargs):
+    """``hf.generate`` on one prompt, deterministic. The attention mask is explicit: without it
+    transformers masks every prompt token equal to the pad token."""
+    ids = torch.tensor([prompt])
+    kwargs.setdefault("pad_token_id", kwargs.get("eos_token_id") or 0)
+    return hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, **kwargs)
