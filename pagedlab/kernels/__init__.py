@@ -3,10 +3,25 @@
 ``pagedlab.kernels.paged_attention`` and friends are the Triton kernels (through the
 interpreter on a CPU); ``pagedlab.kernels.reference`` holds the same functions in plain torch,
 the spec the kernels are tested against. Arguments are checked before any launch
-(``pagedlab.kernels.validate``).
+(``pagedlab.kernels.validate``). Chapter 10's kernels (a two-pass decode, an fp8 cache, MLA over
+a latent cache) have their specs in ``fp8_reference`` and ``mla_reference``.
 """
 
 from pagedlab.kernels.cache_ops import copy_blocks, reshape_and_cache, swap_blocks
 from pagedlab.kernels.decode import paged_attention
+from pagedlab.kernels.fp8 import paged_attention_fp8, reshape_and_cache_fp8
+from pagedlab.kernels.mla import cache_latent, mla_attention, mla_decode
+from pagedlab.kernels.two_pass import paged_attention_two_pass
 
-__all__ = ["paged_attention", "reshape_and_cache", "copy_blocks", "swap_blocks"]
+__all__ = [
+    "paged_attention",
+    "reshape_and_cache",
+    "copy_blocks",
+    "swap_blocks",
+    "paged_attention_two_pass",
+    "paged_attention_fp8",
+    "reshape_and_cache_fp8",
+    "cache_latent",
+    "mla_decode",
+    "mla_attention",
+]

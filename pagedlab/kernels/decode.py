@@ -32,13 +32,11 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from pagedlab._checks import check_positive
 from pagedlab.device import INTERPRET
-from pagedlab.dtypes import dtype_name
+from pagedlab.kernels.tiles import MIN_DOT, TILE_TOKENS, dot_dtype, dot_pad
 from pagedlab.kernels.validate import check_paged_attention
 
-__all__ = ["paged_attention", "choose_num_splits", "TILE_TOKENS"]
+__all__ = ["paged_attention", "choose_num_splits", "TILE_TOKENS", "MIN_DOT"]
 
-TILE_TOKENS = 32  # tokens per loop iteration, whatever the cache's block size
-MIN_DOT = 16  # smallest tl.dot dimension the GPU compiler accepts for 16-bit inputs
 MIN_TOKENS_PER_SPLIT = 256  # a shorter split costs more in its merge than it saves
 MAX_SPLITS = 32
 
@@ -214,10 +212,6 @@ def _check_interpreter() -> None:
         )
 
 
-def _pow2_at_least(n: int, floor: int) -> int:
-    return max(floor, triton.next_power_of_2(n))
-
-
 def paged_attention(
     query,
     key_cache,
@@ -255,20 +249,17 @@ def paged_attention(
     if num_seqs == 0:
         return out
 
-    # tl.dot's operands: the cache's dtype, except fp32 for bf16 in the interpreter, whose dot
-    # multiplies bf16 bit patterns as integers.
-    fp32_dot = query.dtype == torch.float32 or (INTERPRET and query.dtype == torch.bfloat16)
-    dot_dtype = tl.float32 if fp32_dot else tl.dtype(dtype_name(query.dtype))
+    dot, precision = dot_dtype(query.dtype)  # fp32 for bf16 in the interpreter: see tiles
     group = num_heads // num_kv_heads
     meta = dict(
         BLOCK_SIZE=block_size,
         GROUP=group,
         HEAD_DIM=head_dim,
-        GROUP_PAD=_pow2_at_least(group, MIN_DOT),
-        DIM_PAD=_pow2_at_least(head_dim, MIN_DOT),
+        GROUP_PAD=dot_pad(group),
+        DIM_PAD=dot_pad(head_dim),
         TILE=TILE_TOKENS,
-        DOT_DTYPE=dot_dtype,
-        PRECISION="ieee" if fp32_dot else "tf32",
+        DOT_DTYPE=dot,
+        PRECISION=precision,
     )
     grid = (num_seqs, num_kv_heads, num_splits)
     inputs = (query, key_cache, value_cache, block_tables, seq_lens)

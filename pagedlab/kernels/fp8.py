@@ -1,0 +1,247 @@
+"""An fp8 (e4m3) paged KV cache in Triton: a quantising writer and a decode kernel that reads it.
+
+The writer stores x / scale as e4m3 (one byte per value, half of fp16). The decode kernel loads
+fp8 keys and values, widens them to the query's dtype for ``tl.dot``, and never multiplies a
+loaded element by its scale. With s = scale * q.(k_scale k8) = (scale * k_scale) * q.k8, the key
+scale folds into the softmax scale, one multiply per logit; and since softmax weights sum to 1,
+sum_j p_j (v_scale v8_j) = v_scale * sum_j p_j v8_j, so the value scale multiplies the output
+once. vLLM's CUDA kernel instead dequantised every loaded element, scale included, before its
+dot products. Scales are per tensor or per KV head: a program serves one KV head, so either
+way it reads two numbers. The torch spec is :mod:`pagedlab.kernels.fp8_reference`.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from pagedlab.kernels.decode import _check_interpreter
+from pagedlab.kernels.fp8_reference import (
+    FP8,
+    FP8_MAX,
+    check_paged_attention_fp8,
+    check_reshape_and_cache_fp8,
+    kv_scale,
+)
+from pagedlab.kernels.tiles import (
+    TILE_TOKENS,
+    dot_dtype,
+    dot_pad,
+    group_logits,
+    online_softmax_step,
+    tile_slots,
+)
+
+__all__ = ["FP8", "FP8_MAX", "kv_scale", "reshape_and_cache_fp8", "paged_attention_fp8"]
+
+E4M3_MAX = tl.constexpr(FP8_MAX)
+
+
+@triton.jit
+def to_e4m3(x):
+    """fp32 -> e4m3 as torch converts: saturated at ±448, rounded to nearest, ties to even.
+
+    The rounding is done in fp32 first, so the final cast only converts an exact e4m3 value:
+    Triton's interpreter rounds fp32 -> fp8 casts half-up and can lose a carry out of the
+    mantissa (7.9 becomes 4.0); a GPU's cast would round correctly on its own.
+    """
+    x = tl.minimum(tl.maximum(x, -E4M3_MAX), E4M3_MAX)
+    bits = x.to(tl.int32, bitcast=True)
+    exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)  # e4m3: smallest normal is 2**-6
+    step = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 2**(exponent - 3)
+    # Adding 1.5 * 2**23 leaves no fp32 mantissa bits for a fraction: it rounds to an integer,
+    # ties to even (|x| / step <= 16 here).
+    units = (tl.abs(x) / step + 12582912.0) - 12582912.0
+    return tl.where(bits < 0, -units * step, units * step).to(tl.float8e4nv)
+
+
+@triton.jit
+def _reshape_and_cache_fp8_kernel(
+    key_ptr,  # [num_tokens, num_kv_heads, head_dim]
+    value_ptr,  # same shape and strides as key
+    key_cache_ptr,  # fp8 [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache_ptr,  # same shape and strides as key_cache
+    slot_mapping_ptr,  # int64 [num_tokens]
+    k_scale_ptr,  # fp32 [num_kv_heads]
+    v_scale_ptr,
+    stride_kv_token,
+    stride_kv_head,
+    stride_c_block,
+    stride_c_token,
+    stride_c_head,
+    BLOCK_SIZE: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+):
+    # Grid: (num_tokens,). Program `token` quantises that token's keys and values into its slot.
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token)
+    if slot < 0:  # a padding token: it owns no slot
+        return
+    heads = tl.arange(0, HEADS_PAD)
+    dims = tl.arange(0, DIM_PAD)[None, :]
+    head_ok = heads < NUM_KV_HEADS
+    mask = head_ok[:, None] & (dims < HEAD_DIM)  # [HEADS_PAD, DIM_PAD]
+    src = token * stride_kv_token + heads[:, None] * stride_kv_head + dims
+    dst = (slot // BLOCK_SIZE) * stride_c_block + (slot % BLOCK_SIZE) * stride_c_token
+    dst += heads[:, None] * stride_c_head + dims
+    k_scale = tl.load(k_scale_ptr + heads, mask=head_ok, other=1.0)[:, None]  # [HEADS_PAD, 1]
+    v_scale = tl.load(v_scale_ptr + heads, mask=head_ok, other=1.0)[:, None]
+    k = tl.load(key_ptr + src, mask=mask).to(tl.float32)
+    v = tl.load(value_ptr + src, mask=mask).to(tl.float32)
+    tl.store(key_cache_ptr + dst, to_e4m3(k / k_scale), mask=mask)
+    tl.store(value_cache_ptr + dst, to_e4m3(v / v_scale), mask=mask)
+
+
+def _per_head(scale, num_kv_heads: int):
+    """A scale of shape [] or [num_kv_heads] as a contiguous fp32 [num_kv_heads]."""
+    return scale.expand(num_kv_heads).contiguous()
+
+
+def reshape_and_cache_fp8(
+    key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, *, check_values=True
+):
+    """Quantise each token's key and value into its fp8 cache slot; same contract as the
+    reference. ``check_values=False`` skips the checks that read slots and scales."""
+    check_reshape_and_cache_fp8(
+        key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale,
+        check_values=check_values,
+    )
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    _reshape_and_cache_fp8_kernel[(num_tokens,)](
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        _per_head(k_scale, num_kv_heads),
+        _per_head(v_scale, num_kv_heads),
+        *key.stride()[:2],
+        *key_cache.stride()[:3],
+        BLOCK_SIZE=key_cache.shape[1],
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        DIM_PAD=triton.next_power_of_2(head_dim),
+    )
+
+
+@triton.jit
+def _paged_attention_fp8_kernel(
+    query_ptr,  # [num_seqs, num_heads, head_dim]
+    key_cache_ptr,  # fp8 [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache_ptr,  # same shape and strides as key_cache
+    block_tables_ptr,  # int32 [num_seqs, max_blocks_per_seq]
+    seq_lens_ptr,  # int32 [num_seqs]
+    k_scale_ptr,  # fp32 [num_kv_heads]
+    v_scale_ptr,
+    out_ptr,  # [num_seqs, num_heads, head_dim]
+    scale,
+    stride_q_seq,
+    stride_q_head,
+    stride_c_block,
+    stride_c_token,
+    stride_c_head,
+    stride_t_seq,
+    stride_o_seq,
+    stride_o_head,
+    BLOCK_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    TILE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    # Grid: (num_seqs, num_kv_heads), one pass, as in decode.py without split-KV.
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    qk_scale = scale * tl.load(k_scale_ptr + kv_head)  # the key scale, folded in once
+    v_scale = tl.load(v_scale_ptr + kv_head)
+
+    rows = tl.arange(0, GROUP_PAD)
+    dims = tl.arange(0, DIM_PAD)
+    heads = kv_head * GROUP + rows
+    io_ok = (rows < GROUP)[:, None] & (dims < HEAD_DIM)[None, :]  # [GROUP_PAD, DIM_PAD]
+    q_ptrs = query_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + dims[None, :]
+    q = tl.load(q_ptrs, mask=io_ok, other=0.0).to(DOT_DTYPE)
+    table_row = block_tables_ptr + seq * stride_t_seq
+
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+    for tile_start in range(0, seq_len, TILE):
+        slots, tok_ok = tile_slots(
+            table_row, tile_start, seq_len, stride_c_block, stride_c_token, BLOCK_SIZE, TILE
+        )
+        kv_offs = slots[:, None] + kv_head * stride_c_head + dims[None, :]  # [TILE, DIM_PAD]
+        kv_ok = tok_ok[:, None] & (dims < HEAD_DIM)[None, :]
+        # One byte per value from memory; widened (exactly) to the dot's dtype in registers.
+        k = tl.load(key_cache_ptr + kv_offs, mask=kv_ok, other=0.0).to(DOT_DTYPE)
+        v = tl.load(value_cache_ptr + kv_offs, mask=kv_ok, other=0.0).to(DOT_DTYPE)
+        s = group_logits(q, k, qk_scale, tok_ok, PRECISION)
+        m, l, acc = online_softmax_step(m, l, acc, s, v, PRECISION)
+
+    out = acc * (v_scale / l)[:, None]  # the value scale, applied once
+    out_ptrs = out_ptr + seq * stride_o_seq + heads[:, None] * stride_o_head + dims[None, :]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=io_ok)
+
+
+def paged_attention_fp8(
+    query,
+    key_cache,
+    value_cache,
+    block_tables,
+    seq_lens,
+    k_scale,
+    v_scale,
+    *,
+    scale=None,
+    check_values: bool = True,
+):
+    """One decode step on fp8 caches; same contract as ``fp8_reference.paged_attention_fp8``.
+
+    ``check_values=False`` skips the checks that read seq_lens, block_tables and the scales.
+    """
+    _check_interpreter()
+    scale = check_paged_attention_fp8(
+        query, key_cache, value_cache, block_tables, seq_lens, k_scale, v_scale, scale,
+        check_values=check_values,
+    )
+    num_seqs, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    out = query.new_empty(query.shape)  # [num_seqs, num_heads, head_dim]
+    if num_seqs == 0:
+        return out
+    group = num_heads // num_kv_heads
+    dot, precision = dot_dtype(query.dtype)
+    _paged_attention_fp8_kernel[(num_seqs, num_kv_heads)](
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        _per_head(k_scale, num_kv_heads),
+        _per_head(v_scale, num_kv_heads),
+        out,
+        scale,
+        *query.stride()[:2],
+        *key_cache.stride()[:3],
+        block_tables.stride(0),
+        *out.stride()[:2],
+        BLOCK_SIZE=block_size,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        GROUP_PAD=dot_pad(group),
+        DIM_PAD=dot_pad(head_dim),
+        TILE=TILE_TOKENS,
+        DOT_DTYPE=dot,
+        PRECISION=precision,
+    )
+    return out

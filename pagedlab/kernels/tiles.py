@@ -1,0 +1,75 @@
+"""What every decode kernel shares: tile sizes, tl.dot's operand dtype, and the loop's steps.
+
+The host-side pieces (``TILE_TOKENS``, ``dot_pad``, ``dot_dtype``) serve every kernel. The
+``@triton.jit`` steps serve chapter 10's kernels (two-pass, fp8, MLA), so that each reads as its
+own idea (a second pass, scales, a latent cache) around the same few calls: find a tile's slots
+through the block table, compute a group's logits, fold a tile into the online softmax.
+:mod:`pagedlab.kernels.decode` spells the same steps out inline on purpose: chapter 7 reads that
+kernel top to bottom as the book's one complete example.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedlab.device import INTERPRET
+from pagedlab.dtypes import dtype_name
+__all__ = ["TILE_TOKENS", "MIN_DOT", "dot_dtype", "dot_pad"]
+
+TILE_TOKENS = 32  # tokens per loop iteration, whatever the cache's block size
+MIN_DOT = 16  # smallest tl.dot dimension the GPU compiler accepts for 16-bit inputs
+
+
+def dot_pad(n: int) -> int:
+    """``n`` rounded up to a power of two >= 16: a tile dimension that ``tl.dot`` accepts."""
+    return max(MIN_DOT, triton.next_power_of_2(n))
+
+
+def dot_dtype(dtype: torch.dtype) -> tuple:
+    """``tl.dot``'s operand dtype and input precision for queries of ``dtype``.
+
+    The query's own dtype, except fp32 for bf16 in the interpreter (whose dot multiplies bf16
+    bit patterns as integers); fp32 operands use "ieee", so no TF32 rounding.
+    """
+    fp32 = dtype == torch.float32 or (INTERPRET and dtype == torch.bfloat16)
+    return (tl.float32, "ieee") if fp32 else (tl.dtype(dtype_name(dtype)), "tf32")
+
+
+@triton.jit
+def tile_slots(
+    table_row,  # pointer to this sequence's row of block_tables
+    tile_start,
+    end,  # tokens at or past `end` are masked
+    stride_block,
+    stride_token,
+    BLOCK_SIZE: tl.constexpr,
+    TILE: tl.constexpr,
+):
+    """Cache offsets [TILE] of tokens tile_start ... tile_start + TILE - 1, and which exist."""
+    tokens = tile_start + tl.arange(0, TILE)  # [TILE] logical positions
+    tok_ok = tokens < end
+    # Block ids become int64 before the multiply: num_blocks * stride can exceed 2**31.
+    block_ids = tl.load(table_row + tokens // BLOCK_SIZE, mask=tok_ok, other=0).to(tl.int64)
+    return block_ids * stride_block + (tokens % BLOCK_SIZE) * stride_token, tok_ok
+
+
+@triton.jit
+def group_logits(q, k, scale, tok_ok, PRECISION: tl.constexpr):
+    """Scaled logits [ROWS, TILE] of queries q [ROWS, D] against keys k [TILE, D], fp32;
+    tokens that do not exist get -inf, so their softmax weight is exactly 0."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    return tl.where(tok_ok[None, :], s, float("-inf"))
+
+
+@triton.jit
+def online_softmax_step(m, l, acc, s, v, PRECISION: tl.constexpr):
+    """Fold a tile of logits s [ROWS, TILE] and values v [TILE, D] into the running max m
+    [ROWS], sum l [ROWS] and weighted sum acc [ROWS, D] (chapter 3's online softmax)."""
+    m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: every tile holds a token
+    alpha = tl.exp(m - m_new)  # rescales what was accumulated against the old max
+    p = tl.exp(s - m_new[:, None])  # [ROWS, TILE]
+    l = l * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l, acc
