@@ -166,6 +166,14 @@ def max_sequences(model, gpu, context_len: int, **capacity_kwargs) -> int:
     return kv_capacity(model, gpu, **capacity_kwargs).token_slots // context_len
 
 
+def attention_flops_per_pair(model) -> int:
+    """FLOPs of attention for one (query token, key token) pair, summed over layers and heads."""
+    m = get_model(model)
+    if m.attention == "mla":  # absorbed MLA: scores over latent+rope, values in the latent
+        return 2 * m.n_layers * m.n_heads * (2 * m.kv_lora_rank + m.qk_rope_head_dim)
+    return 4 * m.n_layers * m.n_heads * m.head_dim  # q.k and p.v: 2 FLOPs per multiply-add
+
+
 @dataclass(frozen=True)
 class StepCost:
     """FLOPs and HBM bytes of one forward step: weights, KV reads and writes (not activations)."""
@@ -196,12 +204,8 @@ def step_cost(
     tokens = batch_size * new_tokens
     # Attention pairs (query token, cached or causal key): new token i sees context_len + i + 1.
     pairs = batch_size * (new_tokens * context_len + new_tokens * (new_tokens + 1) // 2)
-    if m.attention == "mla":  # absorbed MLA: scores over latent+rope, values in the latent
-        flops_per_pair = 2 * m.n_layers * m.n_heads * (2 * m.kv_lora_rank + m.qk_rope_head_dim)
-    else:  # q.k and p.v: 2 FLOPs per multiply-add, head_dim each, per query head
-        flops_per_pair = 4 * m.n_layers * m.n_heads * m.head_dim
     active = m.n_active_params or m.n_params
-    flops = 2 * active * tokens + flops_per_pair * pairs  # a multiply-add per weight per token
+    flops = 2 * active * tokens + attention_flops_per_pair(m) * pairs  # 2 per weight per token
     kv_per_token = kv_bytes_per_token(m, dtype)
     bytes_moved = weight_bytes(m, dtype) + batch_size * (context_len + new_tokens) * kv_per_token
     return StepCost(flops, bytes_moved)

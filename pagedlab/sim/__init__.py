@@ -1,10 +1,24 @@
 """Simulation without a GPU: request traces, and KV memory over time under a policy.
 
 Chapter 2 uses :mod:`~pagedlab.sim.memory_sim` to measure how contiguous allocation wastes
-memory; chapter 9 extends it with the engine's scheduler and a GPU cost model.
+memory; chapter 9 extends it with the engine's scheduler (:mod:`~pagedlab.sim.simulator`) and a GPU
+cost model (:mod:`~pagedlab.sim.cost_model`).
 """
 
+from pagedlab.sim.cost_model import CostModel
 from pagedlab.sim.memory_sim import POLICIES, KVPolicy, PagedKV, SimResult, make_policy, simulate
+from pagedlab.sim.simulator import (
+    SYSTEM_NAMES,
+    SYSTEMS,
+    PagedConfig,
+    SimExecutor,
+    knee_rate,
+    knee_rates,
+    run,
+    simulate_paged,
+    sweep,
+    with_rate,
+)
 from pagedlab.sim.traces import (
     DATASETS,
     LengthStats,
@@ -16,7 +30,8 @@ from pagedlab.sim.traces import (
 )
 
 __all__ = [
-    "DATASETS", "POLICIES", "KVPolicy", "LengthStats", "PagedKV", "Request", "SimResult",
-    "clip_to_context", "load_trace", "make_policy", "shared_trace_path", "simulate",
-    "synthetic_requests",
+    "DATASETS", "POLICIES", "SYSTEMS", "SYSTEM_NAMES", "CostModel", "KVPolicy", "LengthStats",
+    "PagedConfig", "PagedKV", "Request", "SimExecutor", "SimResult", "clip_to_context",
+    "knee_rate", "knee_rates", "load_trace", "make_policy", "run", "shared_trace_path",
+    "simulate", "simulate_paged", "sweep", "synthetic_requests", "with_rate",
 ]

@@ -11,15 +11,18 @@ Contiguous policies reserve a request's whole region at admission, so decoding n
 out. Paging allocates a block at a time and can: then the latest admitted request is
 preempted (freed and put back at the head of the queue, to resume later with its prompt and
 the tokens it had produced) and no one is admitted until a request finishes. This is a
-memory-only stand-in for the engine's scheduler (chapter 6); steps take a fixed time here,
-where the simulator of chapter 9 uses a GPU cost model.
+memory-only stand-in for the engine's scheduler (chapter 6). Steps take a fixed time, or
+the time a :class:`~pagedlab.sim.cost_model.CostModel` gives them: chapter 9 runs the Orca
+and FasterTransformer baselines through this loop that way, with request-level batching for
+the latter (a batch runs to its end before the next one is admitted), and the paged system
+through the engine's own scheduler (:mod:`pagedlab.sim.simulator`).
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -33,6 +36,11 @@ from pagedlab.memory.contiguous import (
     static_max,
 )
 from pagedlab.sim.traces import Request
+
+if TYPE_CHECKING:
+    from pagedlab.sim.cost_model import CostModel
+
+BATCHING = ("iteration", "request")
 
 
 class KVPolicy(Protocol):
@@ -139,6 +147,32 @@ class SimResult:
     waiting: np.ndarray  # [steps] requests queued after it
     finished: int  # requests that produced all their output
     preemptions: int
+    arrival: np.ndarray | None = None  # [requests] seconds, in the order they were given
+    finish: np.ndarray | None = None  # [requests] seconds at which each produced its last token
+    output_len: np.ndarray | None = None  # [requests] tokens generated
+    blocks_swapped: int = 0  # blocks moved between GPU and CPU, both ways (paging, swap mode)
+    swap_seconds: float = 0.0  # of the total time, spent swapping over PCIe
+
+    @property
+    def normalized_latency(self) -> float:
+        """The paper's metric (Fig. 12): mean over requests of end-to-end latency divided by
+        output length, in seconds per token."""
+        return float(np.mean((self.finish - self.arrival) / self.output_len))
+
+    @property
+    def throughput(self) -> float:
+        """Requests finished per second, from the first arrival to the last completion."""
+        return len(self.finish) / float(self.finish.max() - self.arrival.min())
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Output tokens generated per second, over the same span as :attr:`throughput`."""
+        return float(self.output_len.sum()) / float(self.finish.max() - self.arrival.min())
+
+    @property
+    def utilization(self) -> np.ndarray:
+        """[steps] share of the pool holding token states after each step."""
+        return self.slots["tokens"] / self.capacity
 
     @property
     def mean_batch(self) -> float:
@@ -163,13 +197,29 @@ class SimResult:
         return shares
 
 
-def simulate(requests: list[Request], policy: KVPolicy, *, step_seconds: float) -> SimResult:
-    """Serve ``requests`` under ``policy``, one decode step of ``step_seconds`` at a time.
+def simulate(
+    requests: list[Request],
+    policy: KVPolicy,
+    *,
+    step_seconds: float | None = None,
+    cost: CostModel | None = None,
+    batching: str = "iteration",
+) -> SimResult:
+    """Serve ``requests`` under ``policy``, one step at a time.
 
-    Idle stretches (nothing running or waiting) are skipped, not recorded. Raises if a
-    request can never fit (it alone needs more than the pool).
+    A step lasts ``step_seconds``, or what ``cost`` says a step with its prefills and decodes
+    takes on a GPU (give exactly one). ``batching="iteration"`` admits requests at every step
+    (Orca); ``"request"`` only when no request is running, so that a batch runs until its
+    longest request ends (FasterTransformer behind a dynamic batcher). Idle stretches (nothing
+    running or waiting) are skipped, not recorded. Raises if a request can never fit (it
+    alone needs more than the pool).
     """
-    check_positive("step_seconds", step_seconds)
+    if (step_seconds is None) == (cost is None):
+        raise ValueError("give exactly one of step_seconds and cost")
+    if step_seconds is not None:
+        check_positive("step_seconds", step_seconds)
+    if batching not in BATCHING:
+        raise ValueError(f"batching={batching!r} must be one of {BATCHING}")
     ids = [r.id for r in requests]
     if len(set(ids)) != len(ids):
         duplicate = next(i for i in ids if ids.count(i) > 1)
@@ -178,7 +228,8 @@ def simulate(requests: list[Request], policy: KVPolicy, *, step_seconds: float) 
     waiting: deque[Request] = deque()
     running: list[Request] = []  # in admission order
     generated = dict.fromkeys(ids, 0)  # request id -> output tokens produced so far
-    record: list[tuple] = []  # per step: (time, breakdown, running, waiting)
+    finish: dict[int, float] = {}  # request id -> when it produced its last token
+    record: list[tuple] = []  # per step: (time, breakdown, running, waiting, duration)
     now, finished, preemptions, memory_full = 0.0, 0, 0, False
 
     while pending or waiting or running:
@@ -186,13 +237,16 @@ def simulate(requests: list[Request], policy: KVPolicy, *, step_seconds: float) 
             now = max(now, pending[0].arrival)  # skip the idle gap
         while pending and pending[0].arrival <= now:
             waiting.append(pending.popleft())
-        while not memory_full and waiting:  # FCFS admission while memory allows
+        prefills = {}  # id -> tokens each request admitted in this step stores (its prompt)
+        admitting = not memory_full and (batching == "iteration" or not running)
+        while admitting and waiting:  # FCFS admission while memory allows
             r = waiting[0]
             stored = r.prompt_len + generated[r.id]  # a preempted request resumes where it was
             if not policy.can_admit(r, stored):
                 break
             policy.admit(waiting.popleft(), stored)
             running.append(r)
+            prefills[r.id] = stored
         if not running:
             r = waiting[0]
             raise RuntimeError(f"request {r.id} (prompt_len={r.prompt_len}, output_len="
@@ -214,29 +268,39 @@ def simulate(requests: list[Request], policy: KVPolicy, *, step_seconds: float) 
                 policy.append(r.id)
                 generated[r.id] += 1
                 i += 1
+        if cost is None:
+            duration = step_seconds
+        else:  # requests admitted in this step prefill; the others decode one token
+            duration = cost.step_time(
+                [prefills[r.id] for r in running if r.id in prefills],
+                [r.prompt_len + generated[r.id] for r in running if r.id not in prefills])
         record.append((now, policy.breakdown(waiting[0] if waiting else None),
-                       len(running), len(waiting)))
+                       len(running), len(waiting), duration))
 
+        now += duration
         still_running = []
         for r in running:
             if generated[r.id] == r.output_len:
                 policy.free(r.id)
+                finish[r.id] = now
                 finished += 1
                 memory_full = False
             else:
                 still_running.append(r)
         running = still_running
-        now += step_seconds
 
-    breakdowns = [b for _, b, _, _ in record]
+    breakdowns = [b for _, b, _, _, _ in record]
     return SimResult(
         policy=policy.name,
         capacity=policy.capacity,
-        time=np.array([t for t, _, _, _ in record]),
-        duration=np.full(len(record), float(step_seconds)),
+        time=np.array([t for t, _, _, _, _ in record]),
+        duration=np.array([d for _, _, _, _, d in record], dtype=float),
         slots={c: np.array([getattr(b, c) for b in breakdowns]) for c in CATEGORIES},
-        running=np.array([n for _, _, n, _ in record]),
-        waiting=np.array([w for _, _, _, w in record]),
+        running=np.array([n for _, _, n, _, _ in record]),
+        waiting=np.array([w for _, _, _, w, _ in record]),
         finished=finished,
         preemptions=preemptions,
+        arrival=np.array([r.arrival for r in requests], dtype=float),
+        finish=np.array([finish[r.id] for r in requests]),
+        output_len=np.array([r.output_len for r in requests]),
     )

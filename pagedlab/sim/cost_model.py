@@ -1,0 +1,136 @@
+"""How long a serving step takes on a GPU, from the model's shape and the GPU's datasheet.
+
+A step reads the weights once and every batched sequence's cached keys and values, writes the
+new tokens' keys and values, and does ``2 * params`` FLOPs per new token plus the attention
+products. Its time is a roofline with achievable (not datasheet) rates, plus a fixed overhead:
+
+    time = max(FLOPs / (peak * compute_efficiency), bytes / (bandwidth * bandwidth_efficiency))
+           + step_overhead
+
+Moving blocks between GPU and CPU (swapping) goes over PCIe, one copy per block, layer and
+K/V: ``bytes / pcie_bandwidth + copies * copy_latency``. The defaults, and where they come
+from, are in :class:`CostModel`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pagedlab._checks import check_positive
+from pagedlab.footprint import (
+    ModelConfig,
+    attention_flops_per_pair,
+    get_model,
+    kv_bytes_per_token,
+    kv_capacity,
+    weight_bytes,
+)
+from pagedlab.hardware import GPU, get_gpu
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds per step and per swap for ``model`` on ``num_gpus`` ``gpu`` s (tensor parallel).
+
+    Defaults and their sources:
+
+    - ``bandwidth_efficiency=0.8``: memory-bound kernels on A100/H100 reach about 80% of the
+      datasheet's HBM bandwidth (NVIDIA's STREAM-like measurements and decode-kernel
+      benchmarks report 75-90%).
+    - ``compute_efficiency=0.6``: fp16 GEMMs at serving batch sizes reach 50-70% of dense
+      tensor-core peak; 0.6 is the middle.
+    - ``step_overhead=0.005`` s: scheduling, sampling, kernel launches and Python per step;
+      an assumption, not calibrated (the paper reports no step times). It is the least
+      certain number here; chapter 9's exercise 1 measures how much the results depend on it.
+    - ``pcie_bandwidth=25e9`` B/s: PCIe 4.0 x16 is 32 GB/s per direction on paper; pinned
+      host copies measure about 25 GB/s.
+    - ``copy_latency=5e-6`` s per ``cudaMemcpyAsync``: vLLM's ``swap_blocks`` issues one copy
+      per block for keys and values in every layer; a few microseconds each is the usual
+      launch and DMA setup cost. This is what makes swapping small blocks slow (Fig. 19).
+    - ``kv_tile_tokens=16``: an attention kernel reads each block as at least a tile of this
+      many tokens (a warp's worth of keys), so blocks smaller than a tile waste bandwidth.
+      Our stand-in for the paper's "small blocks underuse the GPU's parallelism" (Fig. 18).
+    """
+
+    model: ModelConfig | str
+    gpu: GPU | str
+    num_gpus: int = 1
+    dtype: str = "fp16"
+    bandwidth_efficiency: float = 0.8
+    compute_efficiency: float = 0.6
+    step_overhead: float = 0.005
+    pcie_bandwidth: float = 25e9
+    copy_latency: float = 5e-6
+    kv_tile_tokens: int = 16
+
+    def __post_init__(self):
+        object.__setattr__(self, "model", get_model(self.model))
+        object.__setattr__(self, "gpu", get_gpu(self.gpu))
+        check_positive("num_gpus", self.num_gpus, integer=True)
+        for name in ("bandwidth_efficiency", "compute_efficiency"):
+            value = getattr(self, name)
+            if not 0 < value <= 1:
+                raise ValueError(f"{name}={value!r} must be in (0, 1]")
+        check_positive("step_overhead", self.step_overhead, allow_zero=True)
+        check_positive("pcie_bandwidth", self.pcie_bandwidth)
+        check_positive("copy_latency", self.copy_latency, allow_zero=True)
+        check_positive("kv_tile_tokens", self.kv_tile_tokens, integer=True)
+        m, n = self.model, self.num_gpus
+        derived = {  # per-step constants, computed once: a simulation asks millions of times
+            "_weight_bytes": weight_bytes(m, self.dtype),
+            "_kv_token_bytes": kv_bytes_per_token(m, self.dtype),
+            "_flops_per_pair": attention_flops_per_pair(m),
+            "_flops_per_token": 2 * (m.n_active_params or m.n_params),
+            "_bandwidth": n * self.gpu.bandwidth_bytes_per_s * self.bandwidth_efficiency,
+            "_compute": n * self.gpu.peak_flops(self.dtype) * self.compute_efficiency,
+        }
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self._kv_token_bytes
+
+    def kv_read_tokens(self, context_len: int, block_size: int | None) -> int:
+        """Tokens' worth of KV one sequence's attention reads: whole blocks, each at least a
+        tile; ``block_size=None`` (contiguous cache) reads exactly ``context_len``."""
+        if block_size is None:
+            return context_len
+        return -(-context_len // block_size) * max(block_size, self.kv_tile_tokens)
+
+    def step_time(
+        self,
+        prefill_lens: Sequence[int] = (),
+        decode_lens: Sequence[int] = (),
+        block_size: int | None = None,
+    ) -> float:
+        """Seconds for one step that prefills prompts of ``prefill_lens`` tokens and decodes one
+        token for sequences whose contexts (the new token included) are ``decode_lens``."""
+        if not prefill_lens and not decode_lens:
+            return 0.0
+        prefill_tokens = sum(prefill_lens)
+        tokens = prefill_tokens + len(decode_lens)
+        pairs = sum(n * (n + 1) // 2 for n in prefill_lens) + sum(decode_lens)  # causal
+        if block_size is None:
+            read = sum(decode_lens)
+        else:
+            read = sum(self.kv_read_tokens(n, block_size) for n in decode_lens)
+        flops = self._flops_per_token * tokens + self._flops_per_pair * pairs
+        # Decodes read their context (the new token's slot included, as it is written); prefills
+        # write their prompt's keys and values.
+        bytes_moved = self._weight_bytes + self._kv_token_bytes * (read + prefill_tokens)
+        return max(flops / self._compute, bytes_moved / self._bandwidth) + self.step_overhead
+
+    def swap_time(self, num_blocks: int, block_size: int) -> float:
+        """Seconds to move ``num_blocks`` blocks over PCIe, one copy per block, layer, K and V."""
+        check_positive("num_blocks", num_blocks, integer=True, allow_zero=True)
+        check_positive("block_size", block_size, integer=True)
+        copies = num_blocks * 2 * self.model.n_layers
+        bytes_moved = num_blocks * block_size * self._kv_token_bytes
+        return bytes_moved / self.pcie_bandwidth + copies * self.copy_latency
+
+    def kv_capacity_tokens(self, gpu_memory_utilization: float = 0.9) -> int:
+        """Token slots of KV left once the weights are loaded (``footprint.kv_capacity``)."""
+        return kv_capacity(self.model, self.gpu, self.num_gpus, self.dtype,
+                           gpu_memory_utilization).token_slots
