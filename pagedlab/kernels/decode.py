@@ -32,7 +32,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from pagedlab._checks import check_positive
 from pagedlab.device import INTERPRET
-from pagedlab.kernels.tiles import MIN_DOT, TILE_TOKENS, dot_dtype, dot_pad
+from pagedlab.kernels.tiles import MIN_DOT, TILE_TOKENS, decode_meta, decode_strides
 from pagedlab.kernels.validate import check_paged_attention
 
 __all__ = ["paged_attention", "choose_num_splits", "TILE_TOKENS", "MIN_DOT"]
@@ -249,21 +249,10 @@ def paged_attention(
     if num_seqs == 0:
         return out
 
-    dot, precision = dot_dtype(query.dtype)  # fp32 for bf16 in the interpreter: see tiles
-    group = num_heads // num_kv_heads
-    meta = dict(
-        BLOCK_SIZE=block_size,
-        GROUP=group,
-        HEAD_DIM=head_dim,
-        GROUP_PAD=dot_pad(group),
-        DIM_PAD=dot_pad(head_dim),
-        TILE=TILE_TOKENS,
-        DOT_DTYPE=dot,
-        PRECISION=precision,
-    )
+    meta = decode_meta(query, key_cache)  # tile sizes, padding, tl.dot dtype: see tiles
     grid = (num_seqs, num_kv_heads, num_splits)
     inputs = (query, key_cache, value_cache, block_tables, seq_lens)
-    strides = (*query.stride()[:2], *key_cache.stride()[:3], block_tables.stride(0))
+    strides = decode_strides(query, key_cache, block_tables)
     if num_splits == 1:  # write the output directly: no partials, no merge
         out_strides = (*out.stride()[:2], 0, 0, 0)
         _paged_attention_kernel[grid](

@@ -24,9 +24,8 @@ from pagedlab.kernels.fp8_reference import (
     kv_scale,
 )
 from pagedlab.kernels.tiles import (
-    TILE_TOKENS,
-    dot_dtype,
-    dot_pad,
+    decode_meta,
+    decode_strides,
     group_logits,
     online_softmax_step,
     tile_slots,
@@ -219,8 +218,6 @@ def paged_attention_fp8(
     out = query.new_empty(query.shape)  # [num_seqs, num_heads, head_dim]
     if num_seqs == 0:
         return out
-    group = num_heads // num_kv_heads
-    dot, precision = dot_dtype(query.dtype)
     _paged_attention_fp8_kernel[(num_seqs, num_kv_heads)](
         query,
         key_cache,
@@ -231,17 +228,8 @@ def paged_attention_fp8(
         _per_head(v_scale, num_kv_heads),
         out,
         scale,
-        *query.stride()[:2],
-        *key_cache.stride()[:3],
-        block_tables.stride(0),
+        *decode_strides(query, key_cache, block_tables),
         *out.stride()[:2],
-        BLOCK_SIZE=block_size,
-        GROUP=group,
-        HEAD_DIM=head_dim,
-        GROUP_PAD=dot_pad(group),
-        DIM_PAD=dot_pad(head_dim),
-        TILE=TILE_TOKENS,
-        DOT_DTYPE=dot,
-        PRECISION=precision,
+        **decode_meta(query, key_cache),
     )
     return out

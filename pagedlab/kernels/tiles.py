@@ -16,7 +16,7 @@ import triton.language as tl
 
 from pagedlab.device import INTERPRET
 from pagedlab.dtypes import dtype_name
-__all__ = ["TILE_TOKENS", "MIN_DOT", "dot_dtype", "dot_pad"]
+__all__ = ["TILE_TOKENS", "MIN_DOT", "dot_dtype", "dot_pad", "decode_meta", "decode_strides"]
 
 TILE_TOKENS = 32  # tokens per loop iteration, whatever the cache's block size
 MIN_DOT = 16  # smallest tl.dot dimension the GPU compiler accepts for 16-bit inputs
@@ -36,6 +36,31 @@ def dot_dtype(dtype: torch.dtype) -> tuple:
     fp32 = dtype == torch.float32 or (INTERPRET and dtype == torch.bfloat16)
     return (tl.float32, "ieee") if fp32 else (tl.dtype(dtype_name(dtype)), "tf32")
 
+
+
+def decode_meta(query, key_cache) -> dict:
+    """Compile-time constants of a decode kernel over a [blocks, block_size, kv_heads, dim]
+    cache for queries [num_seqs, num_heads, dim]: one place, so every kernel pads alike."""
+    _, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    group = num_heads // num_kv_heads  # query heads per KV head
+    dot, precision = dot_dtype(query.dtype)
+    return dict(
+        BLOCK_SIZE=block_size,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        GROUP_PAD=dot_pad(group),
+        DIM_PAD=dot_pad(head_dim),
+        TILE=TILE_TOKENS,
+        DOT_DTYPE=dot,
+        PRECISION=precision,
+    )
+
+
+def decode_strides(query, key_cache, block_tables) -> tuple:
+    """The strides a decode kernel takes, in its argument order: query (seq, head), cache
+    (block, token, head), block table (seq)."""
+    return (*query.stride()[:2], *key_cache.stride()[:3], block_tables.stride(0))
 
 @triton.jit
 def tile_slots(

@@ -24,9 +24,8 @@ import triton.language as tl
 
 from pagedlab.kernels.decode import _check_interpreter
 from pagedlab.kernels.tiles import (
-    TILE_TOKENS,
-    dot_dtype,
-    dot_pad,
+    decode_meta,
+    decode_strides,
     group_logits,
     tile_slots,
 )
@@ -159,8 +158,6 @@ def paged_attention_two_pass(
     if logits == "scratch":
         max_context = block_tables.shape[1] * block_size
         scratch = query.new_empty(num_seqs, num_heads, max_context, dtype=torch.float32)
-    group = num_heads // num_kv_heads
-    dot, precision = dot_dtype(query.dtype)
     _two_pass_kernel[(num_seqs, num_kv_heads)](
         query,
         key_cache,
@@ -170,19 +167,10 @@ def paged_attention_two_pass(
         out,
         scratch,
         scale,
-        *query.stride()[:2],
-        *key_cache.stride()[:3],
-        block_tables.stride(0),
+        *decode_strides(query, key_cache, block_tables),
         *out.stride()[:2],
         *(scratch.stride()[:2] if scratch is not None else (0, 0)),
-        BLOCK_SIZE=block_size,
-        GROUP=group,
-        HEAD_DIM=head_dim,
-        GROUP_PAD=dot_pad(group),
-        DIM_PAD=dot_pad(head_dim),
-        TILE=TILE_TOKENS,
-        DOT_DTYPE=dot,
-        PRECISION=precision,
+        **decode_meta(query, key_cache),
         SCRATCH=scratch is not None,
     )
     return out
