@@ -15,6 +15,11 @@ layers run over all tokens at once, only attention looks at sequences one by one
 (:mod:`pagedlab.kernels`) or ``"reference"`` (:mod:`pagedlab.kernels.reference`, plain torch,
 much faster on a CPU, where Triton runs through its interpreter). The default is Triton on
 CUDA and the reference on a CPU.
+
+Given a ``kv_scale``, the caches are fp8 (e4m3, chapter 10): writes quantise with
+``reshape_and_cache_fp8``, decodes read fp8 with ``paged_attention_fp8`` (from
+:mod:`pagedlab.kernels.fp8` or :mod:`pagedlab.kernels.fp8_reference`, as ``kernels`` says),
+and a cached prefix is dequantised before SDPA.
 """
 
 from __future__ import annotations
@@ -30,14 +35,18 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pagedlab.device import DEVICE, HAS_CUDA
+from pagedlab.kernels.fp8_reference import FP8, dequantize
 from pagedlab.kernels.reference import gather_kv
 
 KERNELS = {"triton": "pagedlab.kernels", "reference": "pagedlab.kernels.reference"}
+FP8_KERNELS = {"triton": "pagedlab.kernels.fp8", "reference": "pagedlab.kernels.fp8_reference"}
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 __all__ = [
     "ARCHITECTURES",
+    "FP8_KERNELS",
     "KERNELS",
+    "FP8Ops",
     "ForwardBatch",
     "ModelArgs",
     "PagedLlama",
@@ -217,6 +226,25 @@ def prefill_attention(q: Tensor, k: Tensor, v: Tensor, num_cached: int) -> Tenso
     return out.transpose(0, 1)
 
 
+class FP8Ops:
+    """The fp8 cache operations under the plain ones' names and signatures, with the per-tensor
+    scale bound (k_scale = v_scale = ``scale``, vLLM's ``kv_scale``): attention calls either
+    set the same way."""
+
+    def __init__(self, module: ModuleType, scale: Tensor):
+        self.module, self.scale = module, scale  # scale: fp32 []
+
+    def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping) -> None:
+        self.module.reshape_and_cache_fp8(
+            key, value, key_cache, value_cache, slot_mapping, self.scale, self.scale
+        )
+
+    def paged_attention(self, query, key_cache, value_cache, block_tables, seq_lens) -> Tensor:
+        return self.module.paged_attention_fp8(
+            query, key_cache, value_cache, block_tables, seq_lens, self.scale, self.scale
+        )
+
+
 class Attention(nn.Module):
     """Grouped-query attention on the paged cache."""
 
@@ -242,6 +270,8 @@ class Attention(nn.Module):
                 length = p.num_cached + p.end - p.start
                 keys = gather_kv(key_cache, p.block_table, length)  # [length, num_kv_heads, D]
                 values = gather_kv(value_cache, p.block_table, length)
+                if key_cache.dtype == FP8:  # SDPA needs the query's dtype: widen the prefix
+                    keys, values = (dequantize(t, ops.scale).to(q.dtype) for t in (keys, values))
             else:
                 keys, values = k[p.start : p.end], v[p.start : p.end]
             out[p.start : p.end] = prefill_attention(q[p.start : p.end], keys, values, p.num_cached)
@@ -311,6 +341,7 @@ class PagedLlama(nn.Module):
     @kernels.setter
     def kernels(self, name: str | None) -> None:
         self._kernels, self.ops = load_kernels(name)
+        self.fp8_ops = importlib.import_module(FP8_KERNELS[self._kernels])
 
     @property
     def device(self) -> torch.device:
@@ -321,13 +352,20 @@ class PagedLlama(nn.Module):
         return self.lm_head.weight.dtype
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv_caches: list[tuple[Tensor, Tensor]]) -> Tensor:
-        """Hidden states after the final norm, [num_tokens, hidden]; writes the tokens' KV."""
+    def forward(
+        self, batch: ForwardBatch, kv_caches: list[tuple[Tensor, Tensor]], kv_scale=None
+    ) -> Tensor:
+        """Hidden states after the final norm, [num_tokens, hidden]; writes the tokens' KV.
+
+        ``kv_scale`` (fp32 []) says the caches are fp8 stored with that scale; None: they are
+        in the model's dtype.
+        """
         a = self.args
+        ops = self.ops if kv_scale is None else FP8Ops(self.fp8_ops, kv_scale)
         x = self.model.embed_tokens(batch.input_ids)  # [num_tokens, hidden]
         cos, sin = rope_cos_sin(batch.positions, a.head_dim, a.rope_theta, x.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x = layer(x, cos, sin, kv_cache, batch, self.ops)
+            x = layer(x, cos, sin, kv_cache, batch, ops)
         return self.model.norm(x)
 
     @torch.inference_mode()

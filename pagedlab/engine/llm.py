@@ -34,6 +34,8 @@ class LLM:
     ``num_gpu_blocks`` defaults to what ``gpu_memory_utilization`` leaves;
     ``swap_space`` (GiB) or ``num_cpu_blocks`` sizes the CPU pool that ``preemption_mode="swap"``
     needs; ``kernels``, if given, sets ``model.kernels`` ("triton" or "reference");
+    ``kv_cache_dtype`` is "auto" (the model's dtype) or "fp8" (e4m3 caches, half of fp16's
+    bytes, stored with the per-tensor scale ``kv_scale`` for keys and values, as vLLM's);
     ``record_events`` keeps the manager's event log (``llm.manager.events``).
     """
 
@@ -51,6 +53,8 @@ class LLM:
         max_num_seqs: int = 256,
         max_num_batched_tokens: int | None = None,
         kernels: str | None = None,
+        kv_cache_dtype: str = "auto",
+        kv_scale: float = 1.0,
         record_events: bool = False,
     ):
         if isinstance(model, (str, os.PathLike)):
@@ -59,9 +63,12 @@ class LLM:
             model.kernels = kernels
         self.model = model
         if num_gpu_blocks is None:
-            num_gpu_blocks = profile_num_blocks(model, block_size, gpu_memory_utilization)
+            num_gpu_blocks = profile_num_blocks(
+                model, block_size, gpu_memory_utilization, kv_cache_dtype
+            )
         if num_cpu_blocks is None:
-            num_cpu_blocks = int(swap_space * (1 << 30) // block_bytes(model, block_size))
+            per_block = block_bytes(model, block_size, kv_cache_dtype)
+            num_cpu_blocks = int(swap_space * (1 << 30) // per_block)
         if preemption_mode == "swap" and num_cpu_blocks == 0:
             raise ValueError("preemption_mode='swap' needs swap_space (GiB) or num_cpu_blocks > 0")
         config = SchedulerConfig(
@@ -74,7 +81,9 @@ class LLM:
             record_events=record_events,
         )
         self.scheduler = Scheduler(self.manager, config)
-        self.runner = ModelRunner(model, block_size, num_gpu_blocks, num_cpu_blocks)
+        self.runner = ModelRunner(
+            model, block_size, num_gpu_blocks, num_cpu_blocks, kv_cache_dtype, kv_scale
+        )
         self.sampler = Sampler()
         self.stats: EngineStats | None = None  # of the last call
         self._request_ids = itertools.count()

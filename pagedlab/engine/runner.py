@@ -4,6 +4,10 @@ The scheduler hands it a :class:`~pagedlab.engine.scheduler.Step`; the runner ma
 step's block copies (swaps, then copy-on-write), turns the step into a
 :class:`~pagedlab.model.ForwardBatch` (token ids, positions, slots, block tables) and runs the
 model. The simulator of chapter 9 replaces exactly this class with a cost model.
+
+``kv_cache_dtype="fp8"`` (vLLM's name) keeps the caches in e4m3, one byte per value, with one
+scale ``kv_scale`` for keys and values (vLLM's default 1.0: no calibration); "auto" keeps them
+in the model's dtype.
 """
 
 from __future__ import annotations
@@ -12,20 +16,33 @@ import torch
 from torch import Tensor
 
 from pagedlab.engine.scheduler import Step
+from pagedlab.kernels.fp8_reference import FP8
 from pagedlab.memory import KVCacheManager
 from pagedlab.model import ForwardBatch, PagedLlama, Prefill
 
 CPU_KV_BYTES = 1 << 30  # KV space on a CPU-only machine: 1 GiB, scaled by gpu_memory_utilization
+KV_CACHE_DTYPES = ("auto", "fp8")
 
 
-def block_bytes(model: PagedLlama, block_size: int) -> int:
+def cache_dtype(model: PagedLlama, kv_cache_dtype: str) -> torch.dtype:
+    """The caches' torch dtype: the model's for "auto", e4m3 for "fp8"."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype!r} must be one of {', '.join(KV_CACHE_DTYPES)}"
+        )
+    return model.dtype if kv_cache_dtype == "auto" else FP8
+
+
+def block_bytes(model: PagedLlama, block_size: int, kv_cache_dtype: str = "auto") -> int:
     """Bytes of one block: keys and values of ``block_size`` tokens in every layer."""
     a = model.args
-    per_token = 2 * a.num_layers * a.num_kv_heads * a.head_dim * model.dtype.itemsize
-    return block_size * per_token
+    itemsize = cache_dtype(model, kv_cache_dtype).itemsize
+    return block_size * 2 * a.num_layers * a.num_kv_heads * a.head_dim * itemsize
 
 
-def profile_num_blocks(model: PagedLlama, block_size: int, gpu_memory_utilization: float) -> int:
+def profile_num_blocks(
+    model: PagedLlama, block_size: int, gpu_memory_utilization: float, kv_cache_dtype: str = "auto"
+) -> int:
     """GPU blocks that fit: on CUDA, the free memory above a ``1 - utilization`` headroom left
     for activations and other processes; on a CPU, a share of :data:`CPU_KV_BYTES`."""
     if model.device.type == "cuda":
@@ -33,7 +50,15 @@ def profile_num_blocks(model: PagedLlama, block_size: int, gpu_memory_utilizatio
         kv_bytes = free - (1 - gpu_memory_utilization) * total
     else:
         kv_bytes = gpu_memory_utilization * CPU_KV_BYTES
-    return max(int(kv_bytes // block_bytes(model, block_size)), 0)
+    return max(int(kv_bytes // block_bytes(model, block_size, kv_cache_dtype)), 0)
+
+
+def _movable(cache: Tensor) -> Tensor:
+    """``cache`` as block copies take it. A copy moves bytes, not values, but copy_blocks takes
+    only fp32/fp16/bf16 (and the CPU has no fp8 ``index_copy_`` for swap_blocks), so an fp8
+    cache is viewed as fp16: two e4m3 bytes per element (head_dim is even), copied bit for bit.
+    uint8 would be the natural view, but copy_blocks rejects it too."""
+    return cache.view(torch.float16) if cache.dtype == FP8 else cache
 
 
 class ModelRunner:
@@ -41,16 +66,28 @@ class ModelRunner:
     forward pass of a step."""
 
     def __init__(
-        self, model: PagedLlama, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int
+        self,
+        model: PagedLlama,
+        block_size: int,
+        num_gpu_blocks: int,
+        num_cpu_blocks: int,
+        kv_cache_dtype: str = "auto",
+        kv_scale: float = 1.0,
     ):
         self.model = model
         a = model.args
         shape = (block_size, a.num_kv_heads, a.head_dim)  # one block
         dev, pin = model.device, model.device.type == "cuda"
+        dtype = cache_dtype(model, kv_cache_dtype)
+        # fp32 []: what tells the model its caches are fp8; None when they are not
+        self.kv_scale = (
+            None if kv_cache_dtype == "auto"
+            else torch.tensor(kv_scale, dtype=torch.float32, device=dev)
+        )
 
         def caches(num_blocks, device, pin_memory=False):
             return [
-                tuple(torch.zeros(num_blocks, *shape, dtype=model.dtype, device=device,
+                tuple(torch.zeros(num_blocks, *shape, dtype=dtype, device=device,
                                   pin_memory=pin_memory) for _ in "kv")
                 for _ in range(a.num_layers)
             ]  # per layer: [num_blocks, block_size, num_kv_heads, head_dim] twice
@@ -62,7 +99,7 @@ class ModelRunner:
         """Run ``step``; return fp32 logits [num_seqs, vocab] in the order of ``step.seqs``."""
         self._move_blocks(step)
         batch, last = self.prepare(step, manager)
-        hidden = self.model(batch, self.kv_caches)  # [num_tokens, hidden]
+        hidden = self.model(batch, self.kv_caches, self.kv_scale)  # [num_tokens, hidden]
         return self.model.compute_logits(hidden[last])
 
     def _move_blocks(self, step: Step) -> None:
@@ -76,11 +113,11 @@ class ModelRunner:
                 mapping = torch.tensor(pairs, dtype=torch.int64)  # [num_pairs, 2]
                 for src_layer, dst_layer in zip(src, dst):
                     for src_cache, dst_cache in zip(src_layer, dst_layer):
-                        ops.swap_blocks(src_cache, dst_cache, mapping)
+                        ops.swap_blocks(_movable(src_cache), _movable(dst_cache), mapping)
         if step.copies:
             mapping = torch.tensor(step.copies, dtype=torch.int64, device=self.model.device)
             keys, values = zip(*self.kv_caches)
-            ops.copy_blocks(list(keys), list(values), mapping)
+            ops.copy_blocks([_movable(k) for k in keys], [_movable(v) for v in values], mapping)
 
     def prepare(self, step: Step, manager: KVCacheManager) -> tuple[ForwardBatch, Tensor]:
         """The step as tensors, and the row of each sequence's last token (its logits)."""
