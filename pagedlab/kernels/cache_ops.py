@@ -63,6 +63,23 @@ def _reshape_and_cache_kernel(
     tl.store(value_cache_ptr + dst, tl.load(value_ptr + src, mask=mask), mask=mask)
 
 
+def cache_write_strides(key, key_cache) -> tuple:
+    """Strides a cache-write kernel takes: key/value (token, head), cache (block, token, head)."""
+    return (*key.stride()[:2], *key_cache.stride()[:3])
+
+
+def cache_write_meta(key, key_cache) -> dict:
+    """Compile-time constants of a kernel writing keys [tokens, kv_heads, dim] into a cache."""
+    _, num_kv_heads, head_dim = key.shape
+    return dict(
+        BLOCK_SIZE=key_cache.shape[1],
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        DIM_PAD=triton.next_power_of_2(head_dim),
+    )
+
+
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, *, check_values=True):
     """Write each token's key and value into its cache slot; same contract as the reference.
 
@@ -71,7 +88,7 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, *, check
     check_reshape_and_cache(
         key, value, key_cache, value_cache, slot_mapping, check_values=check_values
     )
-    num_tokens, num_kv_heads, head_dim = key.shape
+    num_tokens = key.shape[0]
     if num_tokens == 0:
         return
     _reshape_and_cache_kernel[(num_tokens,)](
@@ -80,13 +97,8 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, *, check
         key_cache,
         value_cache,
         slot_mapping,
-        *key.stride()[:2],
-        *key_cache.stride()[:3],
-        BLOCK_SIZE=key_cache.shape[1],
-        NUM_KV_HEADS=num_kv_heads,
-        HEAD_DIM=head_dim,
-        HEADS_PAD=triton.next_power_of_2(num_kv_heads),
-        DIM_PAD=triton.next_power_of_2(head_dim),
+        *cache_write_strides(key, key_cache),
+        **cache_write_meta(key, key_cache),
     )
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from pagedlab.kernels.cache_ops import cache_write_meta, cache_write_strides
 from pagedlab.kernels.decode import _check_interpreter
 from pagedlab.kernels.fp8_reference import (
     FP8,
@@ -108,7 +109,7 @@ def reshape_and_cache_fp8(
         key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale,
         check_values=check_values,
     )
-    num_tokens, num_kv_heads, head_dim = key.shape
+    num_tokens, num_kv_heads, _ = key.shape
     if num_tokens == 0:
         return
     _reshape_and_cache_fp8_kernel[(num_tokens,)](
@@ -119,13 +120,8 @@ def reshape_and_cache_fp8(
         slot_mapping,
         _per_head(k_scale, num_kv_heads),
         _per_head(v_scale, num_kv_heads),
-        *key.stride()[:2],
-        *key_cache.stride()[:3],
-        BLOCK_SIZE=key_cache.shape[1],
-        NUM_KV_HEADS=num_kv_heads,
-        HEAD_DIM=head_dim,
-        HEADS_PAD=triton.next_power_of_2(num_kv_heads),
-        DIM_PAD=triton.next_power_of_2(head_dim),
+        *cache_write_strides(key, key_cache),
+        **cache_write_meta(key, key_cache),
     )
 
 
