@@ -13,8 +13,8 @@ layers run over all tokens at once, only attention looks at sequences one by one
 
 ``kernels`` picks the implementation of the cache operations: ``"triton"``
 (:mod:`pagedlab.kernels`) or ``"reference"`` (:mod:`pagedlab.kernels.reference`, plain torch,
-much faster on a CPU, where Triton runs through its interpreter). The default is Triton on
-CUDA and the reference on a CPU.
+much faster on a CPU, where Triton runs through its interpreter). The default follows the
+weights: Triton for a model on CUDA, the reference for one on a CPU.
 
 Given a ``kv_scale``, the caches are fp8 (e4m3, chapter 10): writes quantise with
 ``reshape_and_cache_fp8``, decodes read fp8 with ``paged_attention_fp8`` (from
@@ -379,6 +379,7 @@ class PagedLlama(nn.Module):
 
 def _build(config: dict, state_dict: dict, kernels, dtype, device) -> PagedLlama:
     args = ModelArgs.from_hf_config(config)
+    kernels = kernels or ("triton" if torch.device(device).type == "cuda" else "reference")
     with torch.device("meta"):
         model = PagedLlama(args, kernels=kernels)
     # assign=True adopts the given tensors (no copy); a tied lm_head is re-tied afterwards.

@@ -9,6 +9,7 @@ import pytest
 from _tiny import hf_generate, hf_greedy, random_prompts, tiny_hf
 
 from pagedlab import LLM, BeamSearchParams, SamplingParams
+from pagedlab.device import DEVICE, HAS_CUDA
 from pagedlab.engine import CacheTooSmall, GroupOutput, Scheduler, SchedulerConfig, SequenceOutput
 from pagedlab.memory import InvariantError, KVCacheManager
 from pagedlab.model import from_hf
@@ -212,9 +213,15 @@ def drive(scheduler: Scheduler) -> list:
 def test_llm_loads_a_checkpoint_and_sizes_its_cache(qwen, tmp_path):
     hf, model = qwen
     hf.save_pretrained(tmp_path)
-    llm = LLM(str(tmp_path), gpu_memory_utilization=0.01)  # CPU: 1% of 1 GiB of KV space
     per_block = 2 * 2 * 1 * 32 * 4 * 16  # K and V, 2 layers, 1 KV head, dim 32, fp32, 16 tokens
-    assert llm.manager.num_gpu_blocks == int(0.01 * 2**30) // per_block
+    if HAS_CUDA:  # the free memory decides, which other processes change
+        llm = LLM(str(tmp_path), gpu_memory_utilization=0.9)
+        assert llm.model.device.type == "cuda" and llm.manager.num_gpu_blocks > 0
+    else:
+        llm = LLM(str(tmp_path), gpu_memory_utilization=0.01)  # 1% of 1 GiB of KV space
+        assert llm.manager.num_gpu_blocks == int(0.01 * 2**30) // per_block
+    with pytest.raises(ValueError, match="gpu_memory_utilization=1e-09 leaves no room"):
+        LLM(str(tmp_path), gpu_memory_utilization=1e-9)
     prompt = random_prompts([7], model.args.vocab_size)[0]
     assert token_ids(llm.generate([prompt], GREEDY, use_tqdm=False)) == [hf_greedy(hf, prompt, 16)]
 
@@ -275,21 +282,18 @@ def test_errors_name_the_request_and_leak_nothing(qwen):
         LLM(model, num_gpu_blocks=4, max_num_seqs=16, max_num_batched_tokens=8)
 
 
-def test_triton_kernels_serve_the_model(qwen):
-    """Through the interpreter on a CPU: reshape_and_cache, paged_attention, copy_blocks (two
-    samples per prompt) and swap_blocks (a preemption), all from pagedlab.kernels."""
-    _, model = qwen
+def test_triton_kernels_serve_the_model():
+    """Through the interpreter on a CPU, compiled on a GPU: reshape_and_cache, paged_attention,
+    copy_blocks (two samples per prompt) and swap_blocks (a preemption), from pagedlab.kernels."""
+    model = from_hf(tiny_hf("qwen2-mqa-d32-tied").to(DEVICE))  # its own: LLM(kernels=...) sets it
     prompts = random_prompts([7, 7], model.args.vocab_size)  # a shared, partly filled block
     params = SamplingParams(n=2, temperature=1.0, seed=0, max_tokens=4)
     runs = {}
-    try:
-        for kernels in ("reference", "triton"):
-            llm = LLM(model, block_size=4, num_gpu_blocks=6, preemption_mode="swap",
-                      num_cpu_blocks=8, kernels=kernels)
-            assert model.kernels == kernels
-            outs = llm.generate(prompts, params, use_tqdm=False)
-            runs[kernels] = [[c.token_ids for c in o.outputs] for o in outs]
-            assert llm.stats.blocks_copied > 0 and llm.stats.swap_outs > 0
-    finally:
-        model.kernels = "reference"  # LLM(kernels=...) set it on the shared model
+    for kernels in ("reference", "triton"):
+        llm = LLM(model, block_size=4, num_gpu_blocks=6, preemption_mode="swap",
+                  num_cpu_blocks=8, kernels=kernels)
+        assert model.kernels == kernels
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        runs[kernels] = [[c.token_ids for c in o.outputs] for o in outs]
+        assert llm.stats.blocks_copied > 0 and llm.stats.swap_outs > 0
     assert runs["triton"] == runs["reference"]

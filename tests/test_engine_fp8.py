@@ -6,6 +6,7 @@ import pytest
 from _tiny import random_prompts, tiny_hf
 
 from pagedlab import LLM, SamplingParams
+from pagedlab.device import DEVICE
 from pagedlab.engine.runner import block_bytes
 from pagedlab.kernels.fp8_reference import FP8
 from pagedlab.model import from_hf
@@ -62,9 +63,9 @@ def test_fp8_cache_is_a_quarter_of_fp32(model):
 
 
 def test_fp8_triton_matches_reference():
-    """Through the interpreter: the fp8 writer and decode kernels, and copy_blocks (two samples
-    per prompt) and swap_blocks (a preemption) on fp8 caches, as in test_engine."""
-    model = from_hf(tiny_hf("qwen2-mqa-d32-tied"))  # its own: LLM(kernels=...) sets the model's
+    """Through the interpreter on a CPU, compiled on a GPU: the fp8 writer and decode kernels,
+    and copy_blocks (two samples per prompt) and swap_blocks (a preemption) on fp8 caches."""
+    model = from_hf(tiny_hf("qwen2-mqa-d32-tied").to(DEVICE))  # its own: LLM(kernels=...) sets it
     prompts = random_prompts([7, 7], model.args.vocab_size)  # a shared, partly filled block
     params = SamplingParams(n=2, temperature=1.0, seed=0, max_tokens=4)
     runs = {}

@@ -97,7 +97,8 @@ def test_matches_the_cache_transformers_allocates(n_heads, n_kv_heads):
     num_tokens = 5
     with torch.no_grad():
         out = LlamaForCausalLM(cfg).eval()(torch.arange(num_tokens)[None], use_cache=True)
-    layers = out.cache.layers
+    cache = getattr(out, "cache", None) or out.past_key_values  # "cache" in newer transformers
+    layers = cache.layers
     tensors = [t for layer in layers for t in (layer.keys, layer.values)]
     measured = sum(t.numel() * t.element_size() for t in tensors)
     kind = {n_heads: "mha", 1: "mqa"}.get(n_kv_heads, "gqa")

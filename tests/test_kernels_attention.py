@@ -107,7 +107,7 @@ def repage(x: PagedDecodeInputs, block_size: int, seed: int = 0) -> PagedDecodeI
     heads = (x.query.shape[1], x.key_cache.shape[2])
     y = make_inputs(lens, heads, x.query.shape[2], block_size, x.query.dtype, seed=seed)
     for i, n in enumerate(lens):
-        tokens = torch.arange(n)
+        tokens = torch.arange(n, device=y.block_tables.device)
         blocks = y.block_tables[i, tokens // block_size].long()
         slots = blocks * block_size + tokens % block_size  # [n]
         k = ref.gather_kv(x.key_cache, x.block_tables[i], n)  # [n, num_kv_heads, head_dim]
@@ -140,7 +140,7 @@ def test_odd_shapes(heads, head_dim, block_size, lens):
 def test_strided_query_and_scale():
     """A query sliced out of a packed [num_seqs, num_heads, 3 * head_dim] projection."""
     x = make_inputs([5, 23], (4, 2), 32, 8)
-    packed = torch.randn(2, 4, 96)
+    packed = torch.randn(2, 4, 96, device=DEVICE)
     x.query = packed[:, :, 32:64]
     assert max_error(x, scale=0.3) <= TOL[FP32]
 

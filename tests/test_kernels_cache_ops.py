@@ -11,7 +11,7 @@ from pagedlab.device import DEVICE
 from pagedlab.kernels import copy_blocks, reference, reshape_and_cache, swap_blocks
 
 
-def randn(*shape, dtype=torch.float32, device="cpu", seed=0):
+def randn(*shape, dtype=torch.float32, device=DEVICE, seed=0):
     g = torch.Generator(device=device).manual_seed(seed)
     return torch.randn(*shape, generator=g, dtype=dtype, device=device)
 
@@ -24,7 +24,7 @@ def assert_all_equal(got, expected):
     "dtype, block_size, heads, head_dim",
     [(torch.float32, 8, 2, 64), (torch.float16, 16, 4, 128), (torch.bfloat16, 16, 3, 80)],
 )
-def test_reshape_and_cache_matches_reference(dtype, block_size, heads, head_dim, device="cpu"):
+def test_reshape_and_cache_matches_reference(dtype, block_size, heads, head_dim, device=DEVICE):
     """Negative slots are skipped; key and value are strided views of one packed tensor."""
     shape = (6, block_size, heads, head_dim)
     caches = [randn(*shape, dtype=dtype, device=device, seed=s) for s in (1, 2)]
@@ -39,7 +39,7 @@ def test_reshape_and_cache_matches_reference(dtype, block_size, heads, head_dim,
     assert torch.equal(caches[0][5, 3], key[2]) and torch.equal(caches[1][0, 7], value[3])
 
 
-def copy_blocks_case(dtype=torch.float32, device="cpu", num_layers=3):
+def copy_blocks_case(dtype=torch.float32, device=DEVICE, num_layers=3):
     layers = [randn(8, 4, 2, 16, dtype=dtype, device=device, seed=s) for s in range(2 * num_layers)]
     mapping = torch.tensor([[0, 5], [0, 6], [3, 7], [1, 2]], device=device)  # a fork: 0 twice
     return layers[:num_layers], layers[num_layers:], mapping
@@ -60,7 +60,7 @@ def test_copy_blocks_matches_reference_in_every_layer():
 def test_copy_blocks_with_no_pairs_is_a_no_op():
     keys, values, _ = copy_blocks_case()
     before = [c.clone() for c in keys + values]
-    copy_blocks(keys, values, torch.empty(0, 2, dtype=torch.int64))
+    copy_blocks(keys, values, torch.empty(0, 2, dtype=torch.int64, device=DEVICE))
     assert_all_equal(keys + values, before)
 
 

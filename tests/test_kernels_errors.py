@@ -15,7 +15,7 @@ import torch
 
 import pagedlab.kernels as triton_impl
 from pagedlab.device import HAS_CUDA
-from pagedlab.kernels import reference
+from pagedlab.kernels import reference, tiles
 from pagedlab.kernels.inputs import random_paged_inputs
 
 IMPLS = pytest.mark.parametrize("impl", [reference, triton_impl], ids=["reference", "triton"])
@@ -71,7 +71,8 @@ def run_case(cases, case, args, fn):
 
 
 def attention_args():
-    x = random_paged_inputs([5, 12], num_heads=4, num_kv_heads=2, head_dim=16, block_size=4)
+    x = random_paged_inputs([5, 12], num_heads=4, num_kv_heads=2, head_dim=16, block_size=4,
+                            device="cpu")  # checks run before any launch, on any device
     return dict(zip(["query", "key_cache", "value_cache", "block_tables", "seq_lens"], x.args()))
 
 
@@ -366,3 +367,16 @@ def test_swap_blocks_rejects(impl, case):
     args = dict(src_cache=torch.randn(6, 4, 2, 8), dst_cache=dst, block_mapping=i64([0, 1]))
     run_case(SWAP_CASES, case, args, impl.swap_blocks)
     assert not dst.any()
+
+
+def test_cpu_tensors_without_the_interpreter_are_reported(monkeypatch):
+    """A CPU tensor handed to a compiled (not interpreted) Triton kernel gets a clear error
+    before any launch, as on a GPU machine whose caller forgot to move the model."""
+    monkeypatch.setattr(tiles, "INTERPRET", False)
+    with pytest.raises(ValueError, match="Triton kernels need CUDA tensors, got tensors on cpu"):
+        triton_impl.paged_attention(**attention_args())
+    args = cache_args()
+    before = args["key_cache"].clone()
+    with pytest.raises(ValueError, match="need CUDA tensors"):
+        triton_impl.reshape_and_cache(**args)
+    assert torch.equal(args["key_cache"], before)

@@ -35,16 +35,16 @@ def bits(t):
 
 def test_e4m3_rounding_matches_torch_on_every_hard_case():
     """Ties (to even), carries into the exponent (7.9 -> 8), subnormals, saturation, ±0."""
-    e4m3 = torch.arange(256, dtype=torch.uint8).view(FP8).float()
+    e4m3 = torch.arange(256, dtype=torch.uint8, device=DEVICE).view(FP8).float()
     e4m3 = e4m3[e4m3.isfinite()].unique()  # every finite e4m3 value
     mids = (e4m3[1:] + e4m3[:-1]) / 2  # exact ties
     near = torch.cat([mids * (1 + 2**-20), mids * (1 - 2**-20)])
-    x = torch.cat([e4m3, mids, near, torch.tensor([500.0, -1e6, 2**-12, -0.0, 7.9, 15.9])])
+    x = torch.cat([e4m3, mids, near, torch.tensor([500.0, -1e6, 2**-12, -0.0, 7.9, 15.9], device=DEVICE)])
     key = x[: len(x) // 8 * 8].reshape(-1, 1, 8)  # [num_tokens, 1 head, 8]
-    key_cache = torch.zeros(len(key), 1, 1, 8, dtype=FP8)
+    key_cache = torch.zeros(len(key), 1, 1, 8, dtype=FP8, device=DEVICE)
     value_cache = torch.zeros_like(key_cache)
-    one = torch.ones(())
-    slots = torch.arange(len(key))
+    one = torch.ones((), device=DEVICE)
+    slots = torch.arange(len(key), device=DEVICE)
     reshape_and_cache_fp8(key, key, key_cache, value_cache, slots, one, one)
     assert torch.equal(bits(key_cache), bits(ref.quantize(key, one)[:, None]))
     assert torch.equal(bits(value_cache), bits(key_cache))
@@ -53,13 +53,14 @@ def test_e4m3_rounding_matches_torch_on_every_hard_case():
 @pytest.mark.parametrize("per_head", [False, True])
 @pytest.mark.parametrize("dtype", [FP32, FP16, BF16])
 def test_writer_matches_reference_bytes(per_head, dtype):
-    g = torch.Generator().manual_seed(0)
-    key = (torch.randn(40, 4, 32, generator=g) * torch.tensor([1, 3, 0.1, 8])[:, None]).to(dtype)
-    value = torch.randn(40, 4, 32, generator=g).to(dtype)
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    spread = torch.tensor([1, 3, 0.1, 8], device=DEVICE)[:, None]
+    key = (torch.randn(40, 4, 32, generator=g, device=DEVICE) * spread).to(dtype)
+    value = torch.randn(40, 4, 32, generator=g, device=DEVICE).to(dtype)
     k_scale, v_scale = ref.kv_scale(key, per_head=per_head), ref.kv_scale(value, per_head=per_head)
-    slots = torch.randperm(6 * 16, generator=g)[:40]
+    slots = torch.randperm(6 * 16, generator=g, device=DEVICE)[:40]
     slots[[3, 17]] = -1  # padding tokens own no slot
-    caches = [torch.zeros(6, 16, 4, 32, dtype=FP8) for _ in range(4)]
+    caches = [torch.zeros(6, 16, 4, 32, dtype=FP8, device=DEVICE) for _ in range(4)]
     reshape_and_cache_fp8(key, value, *caches[:2], slots, k_scale, v_scale)
     ref.reshape_and_cache_fp8(key, value, *caches[2:], slots, k_scale, v_scale)
     assert torch.equal(bits(caches[0]), bits(caches[2]))

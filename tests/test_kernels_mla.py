@@ -74,9 +74,11 @@ def test_cache_holds_one_latent_row_per_token():
     """No key cache and value cache: one row of kv_lora_rank + rope_dim values per token, the
     bytes chapter 1's footprint counts for an MLA layer."""
     rank, rope, block_size = 32, 16, 8
-    latent_cache = torch.full((4, block_size, rank + rope), float("nan"), dtype=FP16)
-    c_kv, k_rope = torch.randn(5, rank, dtype=FP16), torch.randn(5, rope, dtype=FP16)
-    slots = torch.tensor([9, 10, -1, 0, 31])
+    nan = float("nan")
+    latent_cache = torch.full((4, block_size, rank + rope), nan, dtype=FP16, device=DEVICE)
+    c_kv = torch.randn(5, rank, dtype=FP16, device=DEVICE)
+    k_rope = torch.randn(5, rope, dtype=FP16, device=DEVICE)
+    slots = torch.tensor([9, 10, -1, 0, 31], device=DEVICE)
     cache_latent(c_kv, k_rope, latent_cache, slots)
     rows = latent_cache.view(-1, rank + rope)  # [slots, C + R]
     assert torch.equal(rows[[9, 10, 0, 31]], torch.cat([c_kv, k_rope], -1)[[0, 1, 3, 4]])

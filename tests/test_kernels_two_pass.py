@@ -61,7 +61,7 @@ def test_both_modes_agree_with_the_single_pass_kernel():
 
 def test_large_logits_and_strided_query():
     x = make_inputs([1, 40, 100], (8, 2), 64, 16, layout="random")
-    x.query = torch.randn(3, 8, 192)[:, :, 64:128] * 30.0  # a slice of a packed projection
+    x.query = torch.randn(3, 8, 192, device=DEVICE)[:, :, 64:128] * 30.0  # a slice of a packed projection
     assert max_error(x, scale=0.125) <= 2e-5
 
 

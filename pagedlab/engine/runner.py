@@ -45,12 +45,20 @@ def profile_num_blocks(
 ) -> int:
     """GPU blocks that fit: on CUDA, the free memory above a ``1 - utilization`` headroom left
     for activations and other processes; on a CPU, a share of :data:`CPU_KV_BYTES`."""
+    per_block = block_bytes(model, block_size, kv_cache_dtype)
     if model.device.type == "cuda":
         free, total = torch.cuda.mem_get_info(model.device)
         kv_bytes = free - (1 - gpu_memory_utilization) * total
+        where = f"{free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB on {model.device}"
     else:
         kv_bytes = gpu_memory_utilization * CPU_KV_BYTES
-    return max(int(kv_bytes // block_bytes(model, block_size, kv_cache_dtype)), 0)
+        where = f"{CPU_KV_BYTES / 2**30:.0f} GiB of CPU KV space"
+    if kv_bytes < per_block:
+        raise ValueError(
+            f"gpu_memory_utilization={gpu_memory_utilization} leaves no room for one KV block "
+            f"of {per_block:,} bytes ({where}): raise it, or pass num_gpu_blocks"
+        )
+    return int(kv_bytes // per_block)
 
 
 def _movable(cache: Tensor) -> Tensor:

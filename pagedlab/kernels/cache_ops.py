@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from pagedlab.dtypes import dtype_name
+from pagedlab.kernels.tiles import check_launchable
 from pagedlab.kernels.validate import (
     check_copy_blocks,
     check_reshape_and_cache,
@@ -88,6 +89,7 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, *, check
     check_reshape_and_cache(
         key, value, key_cache, value_cache, slot_mapping, check_values=check_values
     )
+    check_launchable(key)
     num_tokens = key.shape[0]
     if num_tokens == 0:
         return
@@ -134,6 +136,7 @@ def copy_blocks(key_caches, value_caches, block_mapping, *, check_values=True):
     exist and that destinations are distinct fresh blocks (a device sync).
     """
     check_copy_blocks(key_caches, value_caches, block_mapping, check_values=check_values)
+    check_launchable(key_caches[0])
     num_pairs = block_mapping.shape[0]
     if num_pairs == 0:
         return

@@ -28,11 +28,16 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
 
 from pagedlab._checks import check_positive
 from pagedlab.device import INTERPRET
-from pagedlab.kernels.tiles import MIN_DOT, TILE_TOKENS, decode_meta, decode_strides
+from pagedlab.kernels.tiles import (
+    MIN_DOT,
+    TILE_TOKENS,
+    check_launchable,
+    decode_meta,
+    decode_strides,
+)
 from pagedlab.kernels.validate import check_paged_attention
 
 __all__ = ["paged_attention", "choose_num_splits", "TILE_TOKENS", "MIN_DOT"]
@@ -198,20 +203,6 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _check_interpreter() -> None:
-    """Raise if the interpreter cannot run kernels that call Triton's library functions.
-
-    Triton decorates its library functions (tl.sum, tl.max, tl.cdiv, ...) when it is imported;
-    if that happened before pagedlab set TRITON_INTERPRET=1, they cannot run in the interpreter.
-    """
-    if INTERPRET and not isinstance(tl.sum, InterpretedFunction):
-        raise RuntimeError(
-            "triton was imported before TRITON_INTERPRET=1 was set, so its library functions "
-            "cannot run in the interpreter: import pagedlab before triton (and before anything "
-            "that imports it, such as torch.compile), or set TRITON_INTERPRET=1 in the environment"
-        )
-
-
 def paged_attention(
     query,
     key_cache,
@@ -230,7 +221,6 @@ def paged_attention(
     after another, never splits. ``check_values=False`` skips the checks that read seq_lens and
     block_tables (a device sync), for callers that built them.
     """
-    _check_interpreter()
     scale = check_paged_attention(
         query, key_cache, value_cache, block_tables, seq_lens, scale, check_values=check_values
     )
@@ -245,6 +235,7 @@ def paged_attention(
             else 1
         )
     check_positive("num_splits", num_splits, integer=True)
+    check_launchable(query)
     out = query.new_empty(query.shape)  # [num_seqs, num_heads, head_dim]
     if num_seqs == 0:
         return out

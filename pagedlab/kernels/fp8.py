@@ -16,7 +16,6 @@ import triton
 import triton.language as tl
 
 from pagedlab.kernels.cache_ops import cache_write_meta, cache_write_strides
-from pagedlab.kernels.decode import _check_interpreter
 from pagedlab.kernels.fp8_reference import (
     FP8,
     FP8_MAX,
@@ -25,6 +24,7 @@ from pagedlab.kernels.fp8_reference import (
     kv_scale,
 )
 from pagedlab.kernels.tiles import (
+    check_launchable,
     decode_meta,
     decode_strides,
     group_logits,
@@ -51,8 +51,11 @@ def to_e4m3(x):
     step = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 2**(exponent - 3)
     # Adding 1.5 * 2**23 leaves no fp32 mantissa bits for a fraction: it rounds to an integer,
     # ties to even (|x| / step <= 16 here).
-    units = (tl.abs(x) / step + 12582912.0) - 12582912.0
-    return tl.where(bits < 0, -units * step, units * step).to(tl.float8e4nv)
+    units = (tl.math.div_rn(tl.abs(x), step) + 12582912.0) - 12582912.0
+    # The sign goes back as a bit, so a negative value that rounds to zero stays -0.0 (a GPU
+    # compiles -(0 * step) to +0.0).
+    signed = (units * step).to(tl.int32, bitcast=True) | ((bits >> 31) << 31)
+    return signed.to(tl.float32, bitcast=True).to(tl.float8e4nv)
 
 
 @triton.jit
@@ -91,8 +94,10 @@ def _reshape_and_cache_fp8_kernel(
     v_scale = tl.load(v_scale_ptr + heads, mask=head_ok, other=1.0)[:, None]
     k = tl.load(key_ptr + src, mask=mask).to(tl.float32)
     v = tl.load(value_ptr + src, mask=mask).to(tl.float32)
-    tl.store(key_cache_ptr + dst, to_e4m3(k / k_scale), mask=mask)
-    tl.store(value_cache_ptr + dst, to_e4m3(v / v_scale), mask=mask)
+    # div_rn: IEEE division, as torch divides; a GPU's plain "/" is approximate (2 ulp), which
+    # moves values that sit next to a rounding boundary into the other e4m3 step.
+    tl.store(key_cache_ptr + dst, to_e4m3(tl.math.div_rn(k, k_scale)), mask=mask)
+    tl.store(value_cache_ptr + dst, to_e4m3(tl.math.div_rn(v, v_scale)), mask=mask)
 
 
 def _per_head(scale, num_kv_heads: int):
@@ -109,6 +114,7 @@ def reshape_and_cache_fp8(
         key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale,
         check_values=check_values,
     )
+    check_launchable(key)
     num_tokens, num_kv_heads, _ = key.shape
     if num_tokens == 0:
         return
@@ -204,11 +210,11 @@ def paged_attention_fp8(
 
     ``check_values=False`` skips the checks that read seq_lens, block_tables and the scales.
     """
-    _check_interpreter()
     scale = check_paged_attention_fp8(
         query, key_cache, value_cache, block_tables, seq_lens, k_scale, v_scale, scale,
         check_values=check_values,
     )
+    check_launchable(query)
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     out = query.new_empty(query.shape)  # [num_seqs, num_heads, head_dim]

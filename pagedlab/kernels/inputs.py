@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from pagedlab.device import DEVICE
+
 __all__ = ["PagedDecodeInputs", "random_paged_inputs"]
 
 LAYOUTS = ("permuted", "random")
@@ -51,11 +53,12 @@ def random_paged_inputs(
     ``layout="random"``: each table entry drawn from the whole cache, so sequences may share
     blocks (as after a fork). The cache has ``spare_blocks`` blocks beyond what the batch needs;
     each table has ``spare_table_entries`` columns past the longest sequence's last block, all
-    pointing at random blocks. Every slot no sequence reads holds ``fill``.
+    pointing at random blocks. Every slot no sequence reads holds ``fill``. The tensors live on
+    ``device``, by default :data:`pagedlab.device.DEVICE`.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    device = torch.device(device or "cpu")
+    device = torch.device(device or DEVICE)
     g = torch.Generator(device=device).manual_seed(seed)
     lens = torch.tensor(list(seq_lens), dtype=torch.int64)  # [num_seqs]
     needed = (lens + block_size - 1) // block_size  # [num_seqs] blocks per sequence

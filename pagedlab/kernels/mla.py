@@ -18,9 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedlab.kernels.decode import _check_interpreter
 from pagedlab.kernels.mla_reference import cache_latent, check_mla_attention, check_mla_decode
 from pagedlab.kernels.tiles import (
+    check_launchable,
     MIN_DOT,
     TILE_TOKENS,
     dot_dtype,
@@ -126,12 +126,12 @@ def mla_decode(
     ``mla_reference.mla_decode``: [num_seqs, H, kv_lora_rank + rope_dim] -> [num_seqs, H,
     kv_lora_rank]. ``check_values=False`` skips the checks that read seq_lens and block_tables.
     """
-    _check_interpreter()
     scale = check_mla_decode(
         query, latent_cache, block_tables, seq_lens, kv_lora_rank, scale,
         check_values=check_values,
     )
     _check_heads_per_program(heads_per_program)
+    check_launchable(query)
     num_seqs, num_heads, width = query.shape
     out = query.new_empty(num_seqs, num_heads, kv_lora_rank)
     if num_seqs == 0:

@@ -13,13 +13,39 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
 from pagedlab.device import INTERPRET
 from pagedlab.dtypes import dtype_name
-__all__ = ["TILE_TOKENS", "MIN_DOT", "dot_dtype", "dot_pad", "decode_meta", "decode_strides"]
+__all__ = [
+    "TILE_TOKENS", "MIN_DOT", "check_launchable", "dot_dtype", "dot_pad", "decode_meta",
+    "decode_strides",
+]
 
 TILE_TOKENS = 32  # tokens per loop iteration, whatever the cache's block size
 MIN_DOT = 16  # smallest tl.dot dimension the GPU compiler accepts for 16-bit inputs
+
+
+def check_launchable(tensor: torch.Tensor) -> None:
+    """Raise before a launch that cannot run here, with what to do instead.
+
+    Without the interpreter a Triton kernel needs CUDA tensors (a CPU tensor on a machine with
+    a GPU would otherwise fail deep in the launcher). With it, Triton's library functions
+    (tl.sum, tl.max, ...) must have been decorated after TRITON_INTERPRET=1 was set, which
+    fails when triton was imported before pagedlab set the flag.
+    """
+    if not INTERPRET and not tensor.is_cuda:
+        raise ValueError(
+            f"Triton kernels need CUDA tensors, got tensors on {tensor.device}: move them to "
+            "CUDA, call pagedlab.kernels.reference, or set TRITON_INTERPRET=1 before "
+            "importing pagedlab"
+        )
+    if INTERPRET and not isinstance(tl.sum, InterpretedFunction):
+        raise RuntimeError(
+            "triton was imported before TRITON_INTERPRET=1 was set, so its library functions "
+            "cannot run in the interpreter: import pagedlab before triton (and before anything "
+            "that imports it, such as torch.compile), or set TRITON_INTERPRET=1 in the environment"
+        )
 
 
 def dot_pad(n: int) -> int:

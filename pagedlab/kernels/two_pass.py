@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedlab.kernels.decode import _check_interpreter
 from pagedlab.kernels.tiles import (
+    check_launchable,
     decode_meta,
     decode_strides,
     group_logits,
@@ -142,12 +142,12 @@ def paged_attention_two_pass(
     ``logits`` says how pass 2 gets the logits back: ``"recompute"`` (read the keys again) or
     ``"scratch"`` (write them to an fp32 buffer in pass 1 and read them back).
     """
-    _check_interpreter()
     scale = check_paged_attention(
         query, key_cache, value_cache, block_tables, seq_lens, scale, check_values=check_values
     )
     if logits not in LOGITS_MODES:
         raise ValueError(f"logits={logits!r} must be one of {LOGITS_MODES}")
+    check_launchable(query)
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     out = query.new_empty(query.shape)  # [num_seqs, num_heads, head_dim]
