@@ -37,7 +37,8 @@ class CostModel:
 
     - ``bandwidth_efficiency=0.8``: memory-bound kernels on A100/H100 reach about 80% of the
       datasheet's HBM bandwidth (NVIDIA's STREAM-like measurements and decode-kernel
-      benchmarks report 75-90%).
+      benchmarks report 75-90%). Our own decode kernel on an H200 moved 3.79 TB/s at batch
+      64 x 4,096 tokens, 79% of the datasheet's 4.8 TB/s (benchmarks/results/decode-gpu.md).
     - ``compute_efficiency=0.6``: fp16 GEMMs at serving batch sizes reach 50-70% of dense
       tensor-core peak; 0.6 is the middle.
     - ``step_overhead=0.005`` s: scheduling, sampling, kernel launches and Python per step;
