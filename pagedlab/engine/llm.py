@@ -16,8 +16,10 @@ import itertools
 import os
 import time
 
+from pagedlab._checks import lookup_preset
 from pagedlab.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedlab.engine.outputs import RequestOutput
+from pagedlab.engine.policy import POLICIES, Policy
 from pagedlab.engine.runner import ModelRunner, block_bytes, profile_num_blocks
 from pagedlab.engine.sampling import Sampler, SamplingParams
 from pagedlab.engine.scheduler import Scheduler, SchedulerConfig
@@ -36,7 +38,9 @@ class LLM:
     needs; ``kernels``, if given, sets ``model.kernels`` ("triton" or "reference");
     ``kv_cache_dtype`` is "auto" (the model's dtype) or "fp8" (e4m3 caches, half of fp16's
     bytes, stored with the per-tensor scale ``kv_scale`` for keys and values, as vLLM's);
-    ``record_events`` keeps the manager's event log (``llm.manager.events``).
+    ``scheduling_policy`` is "fcfs", "priority" (vLLM's names) or any
+    :class:`~pagedlab.engine.policy.Policy`; ``record_events`` keeps the manager's event log
+    (``llm.manager.events``).
     """
 
     def __init__(
@@ -55,6 +59,7 @@ class LLM:
         kernels: str | None = None,
         kv_cache_dtype: str = "auto",
         kv_scale: float = 1.0,
+        scheduling_policy: str | Policy = "fcfs",
         record_events: bool = False,
     ):
         if isinstance(model, (str, os.PathLike)):
@@ -75,6 +80,8 @@ class LLM:
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens or max(2048, max_num_seqs),
             preemption_mode=preemption_mode,
+            policy=lookup_preset("scheduling_policy", scheduling_policy, POLICIES, Policy,
+                                 "policies"),
         )
         self.manager = KVCacheManager(
             num_gpu_blocks, block_size, num_cpu_blocks, enable_prefix_caching,
@@ -88,24 +95,27 @@ class LLM:
         self.stats: EngineStats | None = None  # of the last call
         self._request_ids = itertools.count()
 
-    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self, prompts, sampling_params=None, use_tqdm: bool = True, priority=None
+    ) -> list[RequestOutput]:
         """Complete each prompt (a list of token ids, or ``{"prompt_token_ids": [...]}``).
 
-        ``sampling_params``: one SamplingParams for all prompts, or one per prompt.
+        ``sampling_params``: one SamplingParams for all prompts, or one per prompt;
+        ``priority``: one int per prompt, smaller first, for ``scheduling_policy="priority"``.
         """
         prompts = _parse_prompts(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
-        if len(sampling_params) != len(prompts):
-            raise ValueError(
-                f"{len(sampling_params)} sampling_params for {len(prompts)} prompts"
-            )
-        groups = self._run(list(zip(prompts, sampling_params)), use_tqdm)
+        priority = [0] * len(prompts) if priority is None else list(priority)
+        for name, given in (("sampling_params", sampling_params), ("priority", priority)):
+            if len(given) != len(prompts):
+                raise ValueError(f"{len(given)} {name} for {len(prompts)} prompts")
+        groups = self._run(list(zip(prompts, sampling_params, priority)), use_tqdm)
         return [RequestOutput.from_group(g) for g in groups]
 
     def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False):
         """The best ``params.beam_width`` beams of each prompt: a list of BeamSearchOutput."""
-        groups = self._run([(p, params) for p in _parse_prompts(prompts)], use_tqdm)
+        groups = self._run([(p, params, 0) for p in _parse_prompts(prompts)], use_tqdm)
         return [BeamSearchOutput(g.completed) for g in groups]
 
     # --- the engine loop --------------------------------------------------------------------
@@ -116,7 +126,7 @@ class LLM:
         bar = _progress_bar(len(requests), use_tqdm)
         start = time.perf_counter()
         try:
-            groups = [self._add(prompt, params) for prompt, params in requests]
+            groups = [self._add(*request) for request in requests]
             while self.scheduler.has_unfinished:
                 step = self.scheduler.schedule()
                 logits = self.runner.execute(step, self.manager)  # [num_seqs, vocab]
@@ -133,14 +143,14 @@ class LLM:
             self.scheduler.abort_all()  # nothing, unless an error stopped the loop
             self._check_no_leak()
         stats.elapsed_s = time.perf_counter() - start
-        stats.prompt_tokens = sum(len(prompt) for prompt, _ in requests)
+        stats.prompt_tokens = sum(len(prompt) for prompt, _, _ in requests)
         prefix = self.manager.prefix_stats
         stats.prefix_hits = prefix.hits - prefix_before.hits
         stats.prefix_misses = prefix.misses - prefix_before.misses
         self.stats = stats
         return groups
 
-    def _add(self, prompt: list[int], params) -> SequenceGroup:
+    def _add(self, prompt: list[int], params, priority: int) -> SequenceGroup:
         request_id = str(next(self._request_ids))
         vocab = self.model.args.vocab_size
         bad = [t for t in prompt if not 0 <= t < vocab]
@@ -155,7 +165,7 @@ class LLM:
             generators = params.generators(self.model.device)
         else:
             generators = ()
-        return self.scheduler.add_request(request_id, prompt, params, stop, generators)
+        return self.scheduler.add_request(request_id, prompt, params, stop, generators, priority)
 
     def _check_no_leak(self) -> None:
         """Every block must be free or parked once no request is left."""

@@ -3,20 +3,24 @@
 The scheduler decides; it never touches a tensor. Each :meth:`Scheduler.schedule` forms one
 step's batch and updates the :class:`~pagedlab.memory.KVCacheManager` to match; whoever runs
 the step (the model runner, or the simulator's cost model) then reports the sampled tokens to
-:meth:`Scheduler.update`. The policy is the paper's (Kwon et al. 2023, section 4.5), vLLM's:
+:meth:`Scheduler.update`. The rules are the paper's (Kwon et al. 2023, section 4.5), vLLM's;
+the order of service is a :class:`~pagedlab.engine.policy.Policy`'s (``SchedulerConfig.policy``),
+first come first served (:class:`~pagedlab.engine.policy.FCFS`) unless another is given:
 
-1. Running groups decode one token per sequence, first come first served. When the blocks run
-   out, the latest-arrived running group is preempted, all of its sequences at once: by
-   *recomputation* (its blocks are freed; it waits at the head of the queue to prefill its
-   prompt and generated tokens again) or by *swapping* (its blocks move to the CPU pool).
-2. In a step that preempted nothing, swapped groups come back, oldest first, while the GPU
-   has room for their blocks and their next decode, above the watermark.
+1. Running groups decode one token per sequence, in the policy's order. When the blocks run
+   out, the last running group in that order (under FCFS the latest arrival) is preempted,
+   all of its sequences at once: by *recomputation* (its blocks are freed; it goes back to the
+   head of the waiting queue to prefill its prompt and generated tokens again) or by
+   *swapping* (its blocks move to the CPU pool).
+2. In a step that preempted nothing, swapped groups come back in the policy's order while
+   the GPU has room for their blocks and their next decode, above the watermark.
 3. While any group is swapped out, or in a step that preempted, nothing is admitted.
-   Otherwise waiting groups (preempted ones first: the queue is kept in order of arrival) are
-   admitted first come first served, the first that does not fit stopping the queue, while
+   Otherwise waiting groups (under FCFS preempted ones first: they arrived earlier) are
+   admitted in the policy's order, the first that does not fit stopping the queue, while
    their prefill fits the token budget ``max_num_batched_tokens``, their seats fit
    ``max_num_seqs``, and the GPU keeps a watermark of free blocks. A prefill bigger than the
-   whole budget runs in a step of its own, so nothing waits forever.
+   whole budget runs in a step of its own, so it is not stuck behind the budget (a policy
+   that keeps ranking it last can still starve it; FCFS cannot).
 
 Order within a step, as the manager requires: preempting comes before appending to a group,
 and a step's copies run swap first, then copy-on-write, then the forward pass.
@@ -24,13 +28,13 @@ and a step's copies run swap first, then copy-on-write, then the forward pass.
 
 from __future__ import annotations
 
-import bisect
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
 from pagedlab._checks import check_positive
 from pagedlab.engine.beam_search import BeamSearchParams
+from pagedlab.engine.policy import FCFS, Policy, enqueue, ranked
 from pagedlab.engine.sequence import GroupOutput, GroupStatus, Sequence, SequenceGroup
 from pagedlab.engine.stats import StepStats
 from pagedlab.memory import KVCacheManager
@@ -44,12 +48,13 @@ class CacheTooSmall(RuntimeError):
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """The scheduler's limits (vLLM's names and defaults)."""
+    """The scheduler's limits (vLLM's names and defaults) and its policy."""
 
     max_num_seqs: int = 256  # sequences decoding at once
     max_num_batched_tokens: int = 2048  # tokens in one forward pass
     preemption_mode: str = "recompute"  # or "swap"
     watermark: float = 0.01  # fraction of GPU blocks admission leaves free
+    policy: Policy = FCFS()  # the order of admission, decode, preemption and swap-in
 
     def __post_init__(self):
         check_positive("max_num_seqs", self.max_num_seqs, integer=True)
@@ -65,6 +70,11 @@ class SchedulerConfig:
             )
         if not 0 <= self.watermark < 1:
             raise ValueError(f"watermark={self.watermark!r} must be in [0, 1)")
+        if not isinstance(self.policy, Policy):
+            raise TypeError(
+                f"policy={self.policy!r} must be an instance of a pagedlab.engine.Policy "
+                "subclass, such as FCFS() (an instance, not the class)"
+            )
 
 
 @dataclass
@@ -92,13 +102,14 @@ class Step:
 
 
 class Scheduler:
-    """FCFS continuous batching with preemption; one instance per engine or simulation."""
+    """Continuous batching with preemption, in the order of ``config.policy`` (FCFS by
+    default); one instance per engine or simulation."""
 
     def __init__(self, manager: KVCacheManager, config: SchedulerConfig | None = None):
         self.manager = manager
         self.config = config or SchedulerConfig()
         self.watermark_blocks = int(self.config.watermark * manager.num_gpu_blocks)
-        self.waiting: deque[SequenceGroup] = deque()
+        self.waiting: deque[SequenceGroup] = deque()  # waiting and swapped: in policy order
         self.running: list[SequenceGroup] = []
         self.swapped: list[SequenceGroup] = []
         self.num_steps = 0
@@ -114,11 +125,14 @@ class Scheduler:
         params,
         stop_token_ids=(),
         generators=(),
+        priority: int = 0,
     ) -> SequenceGroup:
         """Queue a request; raise :class:`CacheTooSmall` if its prompt can never be admitted.
 
         ``params`` is a SamplingParams or BeamSearchParams; ``generators`` the random stream
-        of each parallel sample (None entries: the global one).
+        of each parallel sample (None entries: the global one); ``priority`` the request's
+        urgency, smaller first, which only a :class:`~pagedlab.engine.policy.Priority` policy
+        (or one of your own) reads.
         """
         prompt = list(prompt_token_ids)
         if not prompt:
@@ -144,10 +158,11 @@ class Scheduler:
             [Sequence(next(self._seq_ids), prompt)],
             params,
             is_beam_search=isinstance(params, BeamSearchParams),
+            priority=priority,
             stop_token_ids=frozenset(stop_token_ids),
             generators=list(generators) or [None] * params.width,
         )
-        self.waiting.append(group)
+        enqueue(self.config.policy, self.waiting, group)
         return group
 
     @property
@@ -181,23 +196,22 @@ class Scheduler:
             head = self.swapped[0] if self.swapped else self.waiting[0]
             raise self._too_small(head, self._blocks_to_resume(head))
         step.copies = self.manager.take_copies()
-        self.running.sort(key=lambda g: g.arrival)
         step.stats = self._step_stats(step)
         self.num_steps += 1
         return step
 
     def _schedule_running(self, step: Step) -> None:
-        queue = deque(self.running)  # oldest first
+        queue = deque(ranked(self.config.policy, self.running))  # first served first
         self.running = []
         while queue:
             group = queue.popleft()
             need = self._blocks_to_decode(group)
             while need > self.manager.num_free_blocks and queue:
-                self._preempt(queue.pop(), step)  # the latest arrival gives way
+                self._preempt(queue.pop(), step)  # the policy's last (FCFS: latest) gives way
             if need <= self.manager.num_free_blocks:
                 self._decode(group, step)
             elif self.running:
-                self._preempt(group, step)  # it is itself the latest arrival left
+                self._preempt(group, step)  # it is itself the policy's last left
             else:  # alone in the cache and still it cannot grow
                 self.running.append(group)  # it holds blocks: abort_all must find it
                 raise self._too_small(group, need + self.manager.num_used_blocks)
@@ -249,13 +263,13 @@ class Scheduler:
             step.swap_out += pairs
             group.blocks_to_swap_in = len(pairs) + decode_need
             group.status = GroupStatus.SWAPPED
-            bisect.insort(self.swapped, group, key=lambda g: g.arrival)
+            enqueue(self.config.policy, self.swapped, group)
         else:
             mode = "recompute"  # also the fallback when the CPU pool is full
             for seq_id in ids:
                 self.manager.free(seq_id)
             group.status = GroupStatus.WAITING
-            self.waiting.appendleft(group)  # victims arrive latest first: the queue stays FCFS
+            enqueue(self.config.policy, self.waiting, group)  # FCFS: before later arrivals
         step.preempted.append((group, mode))
 
     # --- block and seat arithmetic ----------------------------------------------------------

@@ -67,15 +67,17 @@ class SequenceGroup:
     :class:`~pagedlab.engine.beam_search.BeamSearchParams`; ``stop_token_ids`` holds the
     tokens that end a sequence (the model's EOS unless ignored, plus the request's own);
     ``generators`` the random stream of each parallel sample (by index); ``completed`` the
-    finished beams of beam search, best first.
+    finished beams of beam search, best first; ``priority`` the request's urgency, smaller
+    first, for a :class:`~pagedlab.engine.policy.Priority` policy (others ignore it).
     """
 
     request_id: str
-    arrival: int  # order of arrival: the scheduler serves first come, first served
+    arrival: int  # order of arrival: FCFS, the default policy, serves by it
     prompt_token_ids: list[int]
     seqs: list[Sequence]
     params: object
     is_beam_search: bool = False
+    priority: int = 0
     stop_token_ids: frozenset[int] = frozenset()
     generators: list = field(default_factory=list)  # [n] torch.Generator or None
     status: GroupStatus = GroupStatus.WAITING

@@ -101,7 +101,8 @@ def simulate_paged(
     scheduler_class: Callable[..., Scheduler] = Scheduler,
 ) -> SimResult:
     """Serve ``requests`` with the engine's scheduler over a paged cache sized for ``cost``'s
-    model and GPU. ``scheduler_class`` may be a subclass with another policy (assignment A6).
+    model and GPU. Another order of service goes in ``config.scheduler.policy``;
+    ``scheduler_class`` may be a subclass that records or checks what the scheduler does.
     """
     bs = config.block_size
     check_positive("block_size", bs, integer=True)
