@@ -234,14 +234,14 @@ class FP8Ops:
     def __init__(self, module: ModuleType, scale: Tensor):
         self.module, self.scale = module, scale  # scale: fp32 []
 
-    def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping) -> None:
+    def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping, **kw) -> None:
         self.module.reshape_and_cache_fp8(
-            key, value, key_cache, value_cache, slot_mapping, self.scale, self.scale
+            key, value, key_cache, value_cache, slot_mapping, self.scale, self.scale, **kw
         )
 
-    def paged_attention(self, query, key_cache, value_cache, block_tables, seq_lens) -> Tensor:
+    def paged_attention(self, query, key_cache, value_cache, block_tables, seq_lens, **kw):
         return self.module.paged_attention_fp8(
-            query, key_cache, value_cache, block_tables, seq_lens, self.scale, self.scale
+            query, key_cache, value_cache, block_tables, seq_lens, self.scale, self.scale, **kw
         )
 
 
@@ -263,7 +263,9 @@ class Attention(nn.Module):
         q = apply_rope(self.q_proj(x).view(n, -1, d), cos, sin)  # [n, num_heads, D]
         k = apply_rope(self.k_proj(x).view(n, -1, d), cos, sin)  # [n, num_kv_heads, D]
         v = self.v_proj(x).view(n, -1, d)  # [n, num_kv_heads, D]
-        ops.reshape_and_cache(k, v, key_cache, value_cache, batch.slot_mapping)
+        # The runner built the slots and tables from the manager: checking their values would
+        # only cost a device sync per call (check_values=False keeps the shape checks).
+        ops.reshape_and_cache(k, v, key_cache, value_cache, batch.slot_mapping, check_values=False)
         out = torch.empty_like(q)  # [n, num_heads, D]
         for p in batch.prefills:
             if p.num_cached:  # the prefix lives only in the cache: read it back with the chunk
@@ -278,7 +280,8 @@ class Attention(nn.Module):
         first = batch.num_prefill_tokens
         if first < n:
             out[first:] = ops.paged_attention(
-                q[first:], key_cache, value_cache, batch.block_tables, batch.seq_lens
+                q[first:], key_cache, value_cache, batch.block_tables, batch.seq_lens,
+                check_values=False,
             )  # [num_decodes, num_heads, D]
         return self.o_proj(out.view(n, -1))  # [n, hidden]
 

@@ -380,3 +380,19 @@ def test_cpu_tensors_without_the_interpreter_are_reported(monkeypatch):
     with pytest.raises(ValueError, match="need CUDA tensors"):
         triton_impl.reshape_and_cache(**args)
     assert torch.equal(args["key_cache"], before)
+
+
+@IMPLS
+def test_check_values_false_skips_only_the_checks_that_read_values(impl):
+    """An engine passes check_values=False for slots and tables it built, sparing a device sync
+    per call. A bad value then goes unchecked: a slot past the cache reaches the write (the
+    trapped Triton launch, or the reference's indexing); a bad shape is still refused."""
+    args = cache_args()
+    args["slot_mapping"] = i64(0, 12, -1)  # the cache has slots 0 to 11
+    with pytest.raises(ValueError, match="past the cache"):
+        impl.reshape_and_cache(**args)
+    with pytest.raises(Exception) as unchecked:
+        impl.reshape_and_cache(**args, check_values=False)
+    assert "past the cache" not in str(unchecked.value)
+    with pytest.raises(ValueError, match="key must have 3 dim"):
+        impl.reshape_and_cache(**{**args, "key": args["key"][0]}, check_values=False)

@@ -121,11 +121,13 @@ class ModelRunner:
                 mapping = torch.tensor(pairs, dtype=torch.int64)  # [num_pairs, 2]
                 for src_layer, dst_layer in zip(src, dst):
                     for src_cache, dst_cache in zip(src_layer, dst_layer):
-                        ops.swap_blocks(_movable(src_cache), _movable(dst_cache), mapping)
+                        ops.swap_blocks(_movable(src_cache), _movable(dst_cache), mapping,
+                                        check_values=False)  # the manager's own pairs
         if step.copies:
             mapping = torch.tensor(step.copies, dtype=torch.int64, device=self.model.device)
             keys, values = zip(*self.kv_caches)
-            ops.copy_blocks([_movable(k) for k in keys], [_movable(v) for v in values], mapping)
+            ops.copy_blocks([_movable(k) for k in keys], [_movable(v) for v in values], mapping,
+                            check_values=False)
 
     def prepare(self, step: Step, manager: KVCacheManager) -> tuple[ForwardBatch, Tensor]:
         """The step as tensors, and the row of each sequence's last token (its logits)."""

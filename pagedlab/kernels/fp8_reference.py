@@ -119,14 +119,19 @@ def check_paged_attention_fp8(
     return float(scale)
 
 
-def reshape_and_cache_fp8(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale):
+def reshape_and_cache_fp8(
+    key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, *, check_values=True
+):
     """Quantise each new token's key and value and write them to their slots.
 
     key, value [num_tokens, num_kv_heads, head_dim] (fp32/fp16/bf16); caches fp8
     [num_blocks, block_size, num_kv_heads, head_dim]; slot_mapping int64 [num_tokens]
     (negative: skipped); k_scale, v_scale fp32 [] or [num_kv_heads].
     """
-    check_reshape_and_cache_fp8(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+    check_reshape_and_cache_fp8(
+        key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale,
+        check_values=check_values,
+    )
     block_size = key_cache.shape[1]
     keep = slot_mapping >= 0  # [num_tokens]
     blocks, offsets = slot_mapping[keep] // block_size, slot_mapping[keep] % block_size
@@ -135,18 +140,22 @@ def reshape_and_cache_fp8(key, value, key_cache, value_cache, slot_mapping, k_sc
 
 
 def paged_attention_fp8(
-    query, key_cache, value_cache, block_tables, seq_lens, k_scale, v_scale, *, scale=None
+    query, key_cache, value_cache, block_tables, seq_lens, k_scale, v_scale, *, scale=None,
+    check_values=True,
 ):
     """One decode step on fp8 caches: dequantise them, then ``reference.paged_attention``.
 
     query [num_seqs, num_heads, head_dim] -> [num_seqs, num_heads, head_dim] in query's dtype.
     """
     scale = check_paged_attention_fp8(
-        query, key_cache, value_cache, block_tables, seq_lens, k_scale, v_scale, scale
+        query, key_cache, value_cache, block_tables, seq_lens, k_scale, v_scale, scale,
+        check_values=check_values,
     )
     k = dequantize(key_cache, k_scale)  # fp32 copy of the whole cache: a spec, not a fast path
     v = dequantize(value_cache, v_scale)
-    out = reference.paged_attention(query.float(), k, v, block_tables, seq_lens, scale=scale)
+    out = reference.paged_attention(
+        query.float(), k, v, block_tables, seq_lens, scale=scale, check_values=False
+    )  # checked above
     return out.to(query.dtype)
 
 

@@ -37,13 +37,19 @@ def gather_kv(cache: Tensor, block_table: Tensor, seq_len: int) -> Tensor:
     return cache[blocks].flatten(0, 1)[:seq_len]  # [num_used * block_size, H, D] -> [seq_len, H, D]
 
 
-def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, *, scale=None):
+def paged_attention(
+    query, key_cache, value_cache, block_tables, seq_lens, *, scale=None, check_values=True
+):
     """One decode step: each sequence's query attends to its ``seq_lens[i]`` cached tokens.
 
     query [num_seqs, num_heads, head_dim] -> [num_seqs, num_heads, head_dim] in query's dtype.
     Query head h reads KV head h // (num_heads // num_kv_heads) (MHA, GQA and MQA alike).
+    ``check_values=False`` skips the checks that read seq_lens and block_tables, for a caller
+    that built them (every function here takes it, as the Triton ones do).
     """
-    scale = check_paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale)
+    scale = check_paged_attention(
+        query, key_cache, value_cache, block_tables, seq_lens, scale, check_values=check_values
+    )
     group = query.shape[1] // key_cache.shape[2]  # query heads per KV head
     out = query.new_empty(query.shape)  # [num_seqs, num_heads, head_dim]
     for i, seq_len in enumerate(seq_lens.tolist()):
@@ -58,13 +64,17 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, *, sc
     return out
 
 
-def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
+def reshape_and_cache(
+    key, value, key_cache, value_cache, slot_mapping, *, check_values=True
+) -> None:
     """Write each new token's key and value into its cache slot; a negative slot is skipped.
 
     key, value [num_tokens, num_kv_heads, head_dim]; slot_mapping int64 [num_tokens] with
     slot = block * block_size + offset (negative for padding tokens that own no slot).
     """
-    check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    check_reshape_and_cache(
+        key, value, key_cache, value_cache, slot_mapping, check_values=check_values
+    )
     block_size = key_cache.shape[1]
     keep = slot_mapping >= 0  # [num_tokens]
     slots = slot_mapping[keep]  # [num_kept]
@@ -73,25 +83,25 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
     value_cache[blocks, offsets] = value[keep]
 
 
-def copy_blocks(key_caches, value_caches, block_mapping) -> None:
+def copy_blocks(key_caches, value_caches, block_mapping, *, check_values=True) -> None:
     """Copy whole blocks within each layer's caches: copy-on-write for forked sequences.
 
     key_caches, value_caches: lists of per-layer caches; block_mapping int64 [num_pairs, 2] of
     (src, dst). Destinations are fresh blocks, so the order of the copies does not matter.
     """
-    check_copy_blocks(key_caches, value_caches, block_mapping)
+    check_copy_blocks(key_caches, value_caches, block_mapping, check_values=check_values)
     src, dst = block_mapping.unbind(1)  # [num_pairs] each
     for key_cache, value_cache in zip(key_caches, value_caches):
         key_cache[dst] = key_cache[src]  # [num_pairs, block_size, num_kv_heads, head_dim]
         value_cache[dst] = value_cache[src]
 
 
-def swap_blocks(src_cache, dst_cache, block_mapping) -> None:
+def swap_blocks(src_cache, dst_cache, block_mapping, *, check_values=True) -> None:
     """Copy blocks from one cache to another, e.g. GPU to CPU when a sequence is swapped out.
 
     src_cache [num_src_blocks, ...], dst_cache [num_dst_blocks, ...] (same block shape, any
     devices); block_mapping int64 [num_pairs, 2] of (src block, dst block).
     """
-    check_swap_blocks(src_cache, dst_cache, block_mapping)
+    check_swap_blocks(src_cache, dst_cache, block_mapping, check_values=check_values)
     for src, dst in block_mapping.tolist():
         dst_cache[dst].copy_(src_cache[src])
