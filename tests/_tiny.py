@@ -60,3 +60,25 @@ def hf_generate(hf, prompt: list[int], **kwargs):
     ids = torch.tensor([prompt])
     kwargs.setdefault("pad_token_id", kwargs.get("eos_token_id") or 0)
     return hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, **kwargs)
+
+
+def kernel_runs(**llm_kwargs) -> dict[str, list[list[list[int]]]]:
+    """Each sample's tokens, served once with each kernel set ("reference", "triton") on the
+    device: two seeded samples per prompt (copy-on-write of a shared, partly filled block) in a
+    cache so small that a group is swapped out. Asserts that both copies and swaps happened."""
+    from pagedlab import LLM, SamplingParams
+    from pagedlab.device import DEVICE
+    from pagedlab.model import from_hf
+
+    model = from_hf(tiny_hf("qwen2-mqa-d32-tied").to(DEVICE))  # its own: LLM(kernels=...) sets it
+    prompts = random_prompts([7, 7], model.args.vocab_size)
+    params = SamplingParams(n=2, temperature=1.0, seed=0, max_tokens=4)
+    runs = {}
+    for kernels in ("reference", "triton"):
+        llm = LLM(model, block_size=4, num_gpu_blocks=6, preemption_mode="swap",
+                  num_cpu_blocks=8, kernels=kernels, **llm_kwargs)
+        assert model.kernels == kernels
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        runs[kernels] = [[c.token_ids for c in o.outputs] for o in outs]
+        assert llm.stats.blocks_copied > 0 and llm.stats.swap_outs > 0
+    return runs

@@ -6,10 +6,10 @@ import collections
 import dataclasses
 
 import pytest
-from _tiny import hf_generate, hf_greedy, random_prompts, tiny_hf
+from _tiny import hf_generate, hf_greedy, kernel_runs, random_prompts, tiny_hf
 
 from pagedlab import LLM, BeamSearchParams, SamplingParams
-from pagedlab.device import DEVICE, HAS_CUDA
+from pagedlab.device import HAS_CUDA
 from pagedlab.engine import CacheTooSmall, GroupOutput, Scheduler, SchedulerConfig, SequenceOutput
 from pagedlab.memory import InvariantError, KVCacheManager
 from pagedlab.model import from_hf
@@ -285,15 +285,5 @@ def test_errors_name_the_request_and_leak_nothing(qwen):
 def test_triton_kernels_serve_the_model():
     """Through the interpreter on a CPU, compiled on a GPU: reshape_and_cache, paged_attention,
     copy_blocks (two samples per prompt) and swap_blocks (a preemption), from pagedlab.kernels."""
-    model = from_hf(tiny_hf("qwen2-mqa-d32-tied").to(DEVICE))  # its own: LLM(kernels=...) sets it
-    prompts = random_prompts([7, 7], model.args.vocab_size)  # a shared, partly filled block
-    params = SamplingParams(n=2, temperature=1.0, seed=0, max_tokens=4)
-    runs = {}
-    for kernels in ("reference", "triton"):
-        llm = LLM(model, block_size=4, num_gpu_blocks=6, preemption_mode="swap",
-                  num_cpu_blocks=8, kernels=kernels)
-        assert model.kernels == kernels
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        runs[kernels] = [[c.token_ids for c in o.outputs] for o in outs]
-        assert llm.stats.blocks_copied > 0 and llm.stats.swap_outs > 0
+    runs = kernel_runs()
     assert runs["triton"] == runs["reference"]

@@ -3,10 +3,9 @@ follows the full-precision cache, a quarter of fp32's cache bytes, block copies 
 fp8 caches, the Triton kernels against the reference, and the error for a bad dtype."""
 
 import pytest
-from _tiny import random_prompts, tiny_hf
+from _tiny import kernel_runs, random_prompts, tiny_hf
 
 from pagedlab import LLM, SamplingParams
-from pagedlab.device import DEVICE
 from pagedlab.engine.runner import block_bytes
 from pagedlab.kernels.fp8_reference import FP8
 from pagedlab.model import from_hf
@@ -65,16 +64,7 @@ def test_fp8_cache_is_a_quarter_of_fp32(model):
 def test_fp8_triton_matches_reference():
     """Through the interpreter on a CPU, compiled on a GPU: the fp8 writer and decode kernels,
     and copy_blocks (two samples per prompt) and swap_blocks (a preemption) on fp8 caches."""
-    model = from_hf(tiny_hf("qwen2-mqa-d32-tied").to(DEVICE))  # its own: LLM(kernels=...) sets it
-    prompts = random_prompts([7, 7], model.args.vocab_size)  # a shared, partly filled block
-    params = SamplingParams(n=2, temperature=1.0, seed=0, max_tokens=4)
-    runs = {}
-    for kernels in ("reference", "triton"):
-        llm = LLM(model, block_size=4, num_gpu_blocks=6, preemption_mode="swap",
-                  num_cpu_blocks=8, kernels=kernels, kv_cache_dtype="fp8")
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        runs[kernels] = [[c.token_ids for c in o.outputs] for o in outs]
-        assert llm.stats.blocks_copied > 0 and llm.stats.swap_outs > 0
+    runs = kernel_runs(kv_cache_dtype="fp8")
     assert runs["triton"] == runs["reference"]
 
 
