@@ -82,6 +82,7 @@ class ModelArgs:
     tie_word_embeddings: bool = False
     eos_token_ids: tuple[int, ...] = ()
     model_type: str = "llama"
+    max_position_embeddings: int | None = None  # the context it was trained for
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -122,6 +123,7 @@ class ModelArgs:
             tie_word_embeddings=config.get("tie_word_embeddings", False),
             eos_token_ids=tuple([] if eos is None else [eos] if isinstance(eos, int) else eos),
             model_type=model_type,
+            max_position_embeddings=config.get("max_position_embeddings"),
         )
 
 

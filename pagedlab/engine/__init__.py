@@ -23,6 +23,7 @@ from pagedlab.engine.sequence import (
     SequenceOutput,
 )
 from pagedlab.engine.stats import EngineStats, StepStats
+from pagedlab.engine.text import InvalidPrompt, PromptTooLong
 
 __all__ = [
     "LLM",
@@ -35,9 +36,11 @@ __all__ = [
     "FCFS",
     "GroupOutput",
     "GroupStatus",
+    "InvalidPrompt",
     "ModelRunner",
     "Policy",
     "Priority",
+    "PromptTooLong",
     "RequestOutput",
     "Sampler",
     "SamplingParams",

@@ -1,43 +1,69 @@
 """The ``LLM`` facade: vLLM's offline API over pagedlab's model, cache, scheduler and sampler::
 
-    llm = LLM(pagedlab.model.from_hf(hf_model), block_size=16, num_gpu_blocks=64)
-    outs = llm.generate([[1, 2, 3], [4, 5]], SamplingParams(temperature=0, max_tokens=8))
-    outs[0].outputs[0].token_ids, llm.stats.summary()
+    llm = LLM(pagedlab.models.smollm2())  # a checkpoint directory: model and tokenizer
+    outs = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))
+    outs[0].outputs[0].text, llm.stats.summary()
+    llm.chat([{"role": "user", "content": "Hello!"}])
 
-One engine step is: the scheduler forms a batch (and updates the block tables), the runner
-makes the block copies and runs the model, the sampler picks tokens, the scheduler applies
-them (fork, prune, stop, free). After every call the manager's invariants are checked and
-every block must be back: free, or parked in the prefix cache.
+One engine step (:meth:`LLM.step`) is: the scheduler forms a batch (and updates the block
+tables), the runner makes the block copies and runs the model, the sampler picks tokens, the
+scheduler applies them (fork, prune, stop, free). ``generate`` adds its requests and steps
+until none is left (vLLM's ``LLMEngine`` loop: :meth:`LLM.add_request`, :meth:`LLM.step`,
+:meth:`LLM.abort_request`). A step is a transaction: if it raises, every request in flight is
+aborted, the blocks it cached before writing them are forgotten, and the engine serves the
+next call as a fresh one would. A request that is invalid, or that the cache can never hold,
+fails alone: its output carries the error and the others complete.
 """
 
 from __future__ import annotations
 
-import itertools
+import math
 import os
 import time
 
-from pagedlab._checks import lookup_preset
+from pagedlab._checks import check_positive, lookup_preset
 from pagedlab.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from pagedlab.engine.outputs import RequestOutput
 from pagedlab.engine.policy import POLICIES, Policy
-from pagedlab.engine.runner import ModelRunner, block_bytes, profile_num_blocks
+from pagedlab.engine.runner import KV_CACHE_DTYPES, ModelRunner, block_bytes, profile_num_blocks
 from pagedlab.engine.sampling import Sampler, SamplingParams
-from pagedlab.engine.scheduler import Scheduler, SchedulerConfig
+from pagedlab.engine.scheduler import (
+    PREEMPTION_MODES,
+    CacheTooSmall,
+    Scheduler,
+    SchedulerConfig,
+)
 from pagedlab.engine.sequence import SequenceGroup
 from pagedlab.engine.stats import EngineStats
+from pagedlab.engine.text import (
+    InvalidPrompt,
+    PromptTooLong,
+    chat_prompt,
+    prompt_token_ids,
+    split_prompts,
+    stop_string_check,
+)
 from pagedlab.memory import InvariantError, KVCacheManager
 from pagedlab.model import PagedLlama, from_pretrained
+
+REQUEST_ERRORS = (InvalidPrompt, CacheTooSmall)  # fail one request, not the call
 
 
 class LLM:
     """A serving engine over a paged KV cache of ``num_gpu_blocks`` blocks of ``block_size``.
 
-    ``model`` is a :class:`~pagedlab.model.PagedLlama` (or a checkpoint directory).
-    ``num_gpu_blocks`` defaults to what ``gpu_memory_utilization`` leaves;
-    ``swap_space`` (GiB) or ``num_cpu_blocks`` sizes the CPU pool that ``preemption_mode="swap"``
-    needs; ``kernels``, if given, sets ``model.kernels`` ("triton" or "reference");
-    ``kv_cache_dtype`` is "auto" (the model's dtype) or "fp8" (e4m3 caches, half of fp16's
-    bytes, stored with the per-tensor scale ``kv_scale`` for keys and values, as vLLM's);
+    ``model`` is a :class:`~pagedlab.model.PagedLlama` or a checkpoint directory (its tokenizer
+    is loaded with it, if it has one); ``tokenizer`` (an object or a directory) enables text
+    prompts, ``text`` outputs, stop strings and :meth:`chat`. ``max_model_len`` caps prompt and
+    output tokens together (default: the model's ``max_position_embeddings``).
+
+    ``num_gpu_blocks`` defaults, on CUDA, to what ``gpu_memory_utilization`` leaves; on a CPU,
+    to what each call's requests need at their longest (grown between calls, within
+    ``gpu_memory_utilization`` of 1 GiB). ``swap_space`` (GiB) or ``num_cpu_blocks`` sizes the
+    CPU pool that ``preemption_mode="swap"`` needs; ``kernels``, if given, sets
+    ``model.kernels`` ("triton" or "reference"); ``kv_cache_dtype`` is "auto" (the model's
+    dtype) or "fp8" (e4m3 caches, half of fp16's bytes, stored with one per-tensor scale
+    ``kv_scale`` for keys and values: pagedlab's stand-in for vLLM's ``k_scale``/``v_scale``);
     ``scheduling_policy`` is "fcfs", "priority" (vLLM's names) or any
     :class:`~pagedlab.engine.policy.Policy`; ``record_events`` keeps the manager's event log
     (``llm.manager.events``).
@@ -47,6 +73,7 @@ class LLM:
         self,
         model: PagedLlama | str | os.PathLike,
         *,
+        tokenizer=None,
         block_size: int = 16,
         num_gpu_blocks: int | None = None,
         gpu_memory_utilization: float = 0.9,
@@ -56,137 +83,326 @@ class LLM:
         enable_prefix_caching: bool = False,
         max_num_seqs: int = 256,
         max_num_batched_tokens: int | None = None,
+        max_model_len: int | None = None,
         kernels: str | None = None,
         kv_cache_dtype: str = "auto",
         kv_scale: float = 1.0,
         scheduling_policy: str | Policy = "fcfs",
         record_events: bool = False,
     ):
+        check_positive("block_size", block_size, integer=True)
+        if not (isinstance(gpu_memory_utilization, (int, float)) and 0 < gpu_memory_utilization <= 1):
+            raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization!r} must be in (0, 1]")
+        check_positive("swap_space", swap_space, allow_zero=True)
+        if not math.isfinite(swap_space):
+            raise ValueError(f"swap_space={swap_space!r} must be a finite number of GiB")
+        for name, value in (("num_gpu_blocks", num_gpu_blocks), ("num_cpu_blocks", num_cpu_blocks),
+                            ("max_num_batched_tokens", max_num_batched_tokens),
+                            ("max_model_len", max_model_len)):
+            if value is not None:
+                check_positive(name, value, integer=True, allow_zero=name == "num_cpu_blocks")
+        if preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode={preemption_mode!r} must be one of {PREEMPTION_MODES}")
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} must be one of {KV_CACHE_DTYPES}")
+        check_positive("kv_scale", kv_scale)
+        if not math.isfinite(kv_scale):
+            raise ValueError(f"kv_scale={kv_scale!r} must be finite and > 0")
+        if not isinstance(enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching={enable_prefix_caching!r} must be a bool")
         if isinstance(model, (str, os.PathLike)):
+            if tokenizer is None:
+                tokenizer = _tokenizer_in(model)
             model = from_pretrained(model, kernels=kernels)
+        elif not isinstance(model, PagedLlama):
+            raise TypeError(f"model must be a PagedLlama or a checkpoint directory, not "
+                            f"{type(model).__name__}")
         elif kernels is not None:
             model.kernels = kernels
         self.model = model
+        self.tokenizer = _load_tokenizer(tokenizer)
+        self.max_model_len = max_model_len or model.args.max_position_embeddings
+        self.block_size, self.kv_cache_dtype = block_size, kv_cache_dtype
+        self._auto_blocks = num_gpu_blocks is None and model.device.type != "cuda"
         if num_gpu_blocks is None:
             num_gpu_blocks = profile_num_blocks(
                 model, block_size, gpu_memory_utilization, kv_cache_dtype
             )
+        self._max_blocks = num_gpu_blocks  # what an auto-sized cache may grow to
         if num_cpu_blocks is None:
             per_block = block_bytes(model, block_size, kv_cache_dtype)
             num_cpu_blocks = int(swap_space * (1 << 30) // per_block)
         if preemption_mode == "swap" and num_cpu_blocks == 0:
             raise ValueError("preemption_mode='swap' needs swap_space (GiB) or num_cpu_blocks > 0")
-        config = SchedulerConfig(
+        self.config = SchedulerConfig(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens or max(2048, max_num_seqs),
             preemption_mode=preemption_mode,
             policy=lookup_preset("scheduling_policy", scheduling_policy, POLICIES, Policy,
                                  "policies"),
         )
-        self.manager = KVCacheManager(
-            num_gpu_blocks, block_size, num_cpu_blocks, enable_prefix_caching,
-            record_events=record_events,
-        )
-        self.scheduler = Scheduler(self.manager, config)
-        self.runner = ModelRunner(
-            model, block_size, num_gpu_blocks, num_cpu_blocks, kv_cache_dtype, kv_scale
-        )
+        self._cache_args = dict(num_cpu_blocks=num_cpu_blocks, kv_cache_dtype=kv_cache_dtype,
+                                kv_scale=kv_scale, enable_prefix_caching=enable_prefix_caching,
+                                record_events=record_events)
+        self._build_cache(1 if self._auto_blocks else num_gpu_blocks)
         self.sampler = Sampler()
         self.stats: EngineStats | None = None  # of the last call
-        self._request_ids = itertools.count()
+        self._next_id = 0  # request ids: "0", "1", ...
+        self._prompts: dict[str, str | None] = {}  # request id -> prompt text
+
+    def _build_cache(self, num_gpu_blocks: int) -> None:
+        """The manager, scheduler and runner for a cache of ``num_gpu_blocks`` blocks."""
+        a = self._cache_args
+        self.manager = KVCacheManager(
+            num_gpu_blocks, self.block_size, a["num_cpu_blocks"], a["enable_prefix_caching"],
+            record_events=a["record_events"],
+        )
+        self.scheduler = Scheduler(self.manager, self.config)
+        self.runner = ModelRunner(self.model, self.block_size, num_gpu_blocks,
+                                  a["num_cpu_blocks"], a["kv_cache_dtype"], a["kv_scale"])
+
+    # --- the offline API --------------------------------------------------------------------
 
     def generate(
         self, prompts, sampling_params=None, use_tqdm: bool = True, priority=None
     ) -> list[RequestOutput]:
-        """Complete each prompt (a list of token ids, or ``{"prompt_token_ids": [...]}``).
+        """Complete each prompt: text, token ids, or ``{"prompt": ...}`` /
+        ``{"prompt_token_ids": ...}``; one prompt or a list.
 
         ``sampling_params``: one SamplingParams for all prompts, or one per prompt;
         ``priority``: one int per prompt, smaller first, for ``scheduling_policy="priority"``.
         """
-        prompts = _parse_prompts(prompts)
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        prompts = split_prompts(prompts)
+        params = _per_prompt("sampling_params", sampling_params, len(prompts), SamplingParams)
         priority = [0] * len(prompts) if priority is None else list(priority)
-        for name, given in (("sampling_params", sampling_params), ("priority", priority)):
-            if len(given) != len(prompts):
-                raise ValueError(f"{len(given)} {name} for {len(prompts)} prompts")
-        groups = self._run(list(zip(prompts, sampling_params, priority)), use_tqdm)
-        return [RequestOutput.from_group(g) for g in groups]
+        if len(priority) != len(prompts):
+            raise ValueError(f"{len(priority)} priorities for {len(prompts)} prompts")
+        return self._run(list(zip(prompts, params, priority)), use_tqdm)[0]
+
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Reply to one conversation (a list of ``{"role", "content"}`` messages) or to a list
+        of them, under the tokenizer's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = []
+        for conversation in conversations:
+            request_id = str(self._next_id + len(prompts))  # the id generate will give it
+            try:
+                prompts.append(chat_prompt(conversation, request_id, self.tokenizer))
+            except InvalidPrompt as error:
+                prompts.append(error)  # fails this request alone, under this id
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False):
         """The best ``params.beam_width`` beams of each prompt: a list of BeamSearchOutput."""
-        groups = self._run([(p, params, 0) for p in _parse_prompts(prompts)], use_tqdm)
-        return [BeamSearchOutput(g.completed) for g in groups]
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be a BeamSearchParams, not {type(params).__name__}")
+        outs, groups = self._run([(p, params, 0) for p in split_prompts(prompts)], use_tqdm)
+        for out in outs:
+            if out.error is not None:
+                raise out.error
+        return [BeamSearchOutput(groups[out.request_id].completed) for out in outs]
 
-    # --- the engine loop --------------------------------------------------------------------
+    # --- the engine API (vLLM's LLMEngine) --------------------------------------------------
 
-    def _run(self, requests, use_tqdm: bool) -> list[SequenceGroup]:
-        stats = EngineStats(self.manager.num_gpu_blocks, num_requests=len(requests))
-        prefix_before = self.manager.prefix_stats
-        bar = _progress_bar(len(requests), use_tqdm)
-        start = time.perf_counter()
-        try:
-            groups = [self._add(*request) for request in requests]
-            while self.scheduler.has_unfinished:
-                step = self.scheduler.schedule()
-                logits = self.runner.execute(step, self.manager)  # [num_seqs, vocab]
-                rows = {seq.seq_id: i for i, seq in enumerate(step.seqs)}
-                outputs = self.sampler(step.groups, rows, logits)
-                finished = self.scheduler.update(outputs)
-                stats.steps.append(step.stats)
-                stats.generated_tokens += sum(len(out.children) for out in outputs)
-                if bar is not None:
-                    bar.update(len(finished))
-        finally:
-            if bar is not None:
-                bar.close()
-            self.scheduler.abort_all()  # nothing, unless an error stopped the loop
-            self._check_no_leak()
-        stats.elapsed_s = time.perf_counter() - start
-        stats.prompt_tokens = sum(len(prompt) for prompt, _, _ in requests)
-        prefix = self.manager.prefix_stats
-        stats.prefix_hits = prefix.hits - prefix_before.hits
-        stats.prefix_misses = prefix.misses - prefix_before.misses
-        self.stats = stats
-        return groups
-
-    def _add(self, prompt: list[int], params, priority: int) -> SequenceGroup:
-        request_id = str(next(self._request_ids))
-        vocab = self.model.args.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(
-                f"request {request_id!r}: token ids {bad[:5]} are outside the vocabulary "
-                f"[0, {vocab})"
-            )
+    def add_request(self, request_id: str, prompt, params, arrival_time: float | None = None,
+                    priority: int = 0) -> SequenceGroup:
+        """Queue a request; raise :class:`InvalidPrompt` or :class:`CacheTooSmall` if it can
+        never run (nothing is queued then)."""
+        if not isinstance(params, (SamplingParams, BeamSearchParams)):
+            raise TypeError(f"request {request_id!r}: params must be a SamplingParams or a "
+                            f"BeamSearchParams, not {type(params).__name__}")
+        if isinstance(prompt, InvalidPrompt):
+            raise prompt
+        ids, text = prompt_token_ids(prompt, request_id, self.tokenizer)
+        self._check_prompt(request_id, ids, params)
+        if self._auto_blocks:
+            self._reserve(request_id, ids, params)
         stop = set() if params.ignore_eos else set(self.model.args.eos_token_ids)
+        check = None
         if isinstance(params, SamplingParams):
             stop.update(params.stop_token_ids)
             generators = params.generators(self.model.device)
+            if params.stop and self.tokenizer is None:
+                raise InvalidPrompt(f"request {request_id!r}: stop strings need a tokenizer")
+            check = stop_string_check(params.stop, self.tokenizer)
         else:
             generators = ()
-        return self.scheduler.add_request(request_id, prompt, params, stop, generators, priority)
+        group = self.scheduler.add_request(request_id, ids, params, stop, generators, priority)
+        group.max_len, group.stop_check = self.max_model_len, check
+        if arrival_time is not None:
+            group.metrics.arrival_time = arrival_time
+        self._prompts[request_id] = text
+        return group
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; return the outputs of the requests it advanced, finished or failed."""
+        step = self._step()
+        groups = [*step.groups, *step.failed]
+        return [self._output(g, keep=not g.is_finished) for g in groups]
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop an unfinished request and free its blocks."""
+        group = self.scheduler.unfinished.get(request_id)
+        if group is None:
+            raise KeyError(f"request {request_id!r} is not running (unknown or finished)")
+        self.scheduler.abort(group)
+        self._prompts.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # --- inside -----------------------------------------------------------------------------
+
+    def _step(self):
+        """One transactional step: on any error, abort everything in flight and forget the
+        blocks cached before their keys and values were written, then re-raise."""
+        try:
+            step = self.scheduler.schedule()
+            outputs = []
+            if not step.is_empty:
+                logits = self.runner.execute(step, self.manager)  # [num_seqs, vocab]
+                rows = {seq.seq_id: i for i, seq in enumerate(step.seqs)}
+                outputs = self.sampler(step.groups, rows, logits)
+            self.scheduler.update(outputs)
+        except BaseException:
+            self.scheduler.abort_all()
+            self.manager.rollback()
+            self._prompts.clear()
+            raise
+        if self.stats is not None:
+            self.stats.steps.append(step.stats)
+            self.stats.generated_tokens += sum(len(out.children) for out in outputs)
+        return step
+
+    def _run(self, requests, use_tqdm: bool):
+        """Add the requests (each failing alone), step until all are done; return the outputs
+        and the groups by request id."""
+        if self._auto_blocks and not self.scheduler.has_unfinished:
+            self._grow(requests)
+        stats = self.stats = EngineStats(self.manager.num_gpu_blocks, num_requests=len(requests))
+        prefix_before = self.manager.prefix_stats
+        start = time.perf_counter()
+        outs, groups = [], {}
+        for prompt, params, priority in requests:
+            request_id = str(self._next_id)
+            self._next_id += 1
+            try:
+                group = self.add_request(request_id, prompt, params, priority=priority)
+            except REQUEST_ERRORS as error:
+                outs.append(RequestOutput.failed(request_id, error, prompt))
+            else:
+                groups[request_id] = group
+                stats.prompt_tokens += len(group.prompt_token_ids)
+                outs.append(request_id)
+        bar = _progress_bar(len(groups), use_tqdm)
+        try:
+            while self.scheduler.has_unfinished:
+                step = self._step()
+                if bar is not None:
+                    bar.update(sum(g.is_finished for g in (*step.groups, *step.failed)))
+        finally:
+            if bar is not None:
+                bar.close()
+        self._check_no_leak()
+        stats.elapsed_s = time.perf_counter() - start
+        prefix = self.manager.prefix_stats
+        stats.prefix_hits = prefix.hits - prefix_before.hits
+        stats.prefix_misses = prefix.misses - prefix_before.misses
+        outs = [o if isinstance(o, RequestOutput) else self._output(groups[o]) for o in outs]
+        return outs, groups
+
+    def _output(self, group: SequenceGroup, keep: bool = False) -> RequestOutput:
+        prompts = self._prompts
+        text = prompts.get(group.request_id) if keep else prompts.pop(group.request_id, None)
+        return RequestOutput.from_group(group, self.tokenizer, text)
+
+    def _check_prompt(self, request_id: str, ids: list[int], params) -> None:
+        """Token ids inside the vocabulary, a prompt within ``max_model_len``."""
+        vocab = self.model.args.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidPrompt(
+                f"request {request_id!r}: token ids {bad[:5]} are outside the vocabulary "
+                f"[0, {vocab})"
+            )
+        if not ids:
+            raise InvalidPrompt(f"request {request_id!r}: the prompt has no tokens")
+        limit = self.max_model_len
+        if limit is not None and len(ids) >= limit:
+            raise PromptTooLong(
+                f"request {request_id!r}: its prompt of {len(ids)} tokens leaves no room to "
+                f"generate within max_model_len={limit}"
+            )
+        if (limit is not None and isinstance(params, BeamSearchParams)
+                and len(ids) + params.max_tokens > limit):
+            raise PromptTooLong(
+                f"request {request_id!r}: prompt ({len(ids)}) + max_tokens "
+                f"({params.max_tokens}) exceeds max_model_len={limit} for beam search"
+            )
+
+    def _blocks_for(self, ids: list[int], params) -> int:
+        """GPU blocks a request takes at its longest: each sequence's prompt and outputs."""
+        longest = len(ids) + params.max_tokens
+        if self.max_model_len is not None:
+            longest = min(longest, self.max_model_len)
+        return params.width * -(-longest // self.block_size)
+
+    def _grow(self, requests) -> None:
+        """Size an auto-sized cache (a CPU's) to hold a call's requests all at once, at their
+        longest, within the memory budget; it only grows, and only while idle."""
+        need = 0
+        for i, (prompt, params, _) in enumerate(requests):
+            try:
+                ids, _ = prompt_token_ids(prompt, str(i), self.tokenizer)
+            except (InvalidPrompt, TypeError):
+                continue  # add_request reports it
+            if isinstance(params, (SamplingParams, BeamSearchParams)):
+                need += self._blocks_for(ids, params)
+        need = min(need + 1, self._max_blocks)  # one above the 1% watermark of small caches
+        if need > self.manager.num_gpu_blocks:
+            self._build_cache(need)
+
+    def _reserve(self, request_id: str, ids: list[int], params) -> None:
+        """An auto-sized cache grows, while idle, to hold a request added on its own."""
+        if not self.scheduler.has_unfinished:
+            need = min(self._blocks_for(ids, params) + 1, self._max_blocks)
+            if need > self.manager.num_gpu_blocks:
+                self._build_cache(need)
+
 
     def _check_no_leak(self) -> None:
         """Every block must be free or parked once no request is left."""
+        if self.scheduler.has_unfinished:
+            return
         self.manager.check_invariants()
         gpu, cpu = self.manager.num_used_blocks, self.manager.cpu.num_used
         if gpu or cpu:
             raise InvariantError(f"blocks leaked after the run: {gpu} GPU, {cpu} CPU")
 
 
-def _parse_prompts(prompts) -> list[list[int]]:
-    """One prompt or a list of them; each a list of token ids or {"prompt_token_ids": [...]}."""
-    if isinstance(prompts, dict) or (len(prompts) and isinstance(prompts[0], int)):
-        prompts = [prompts]
-    parsed = []
-    for prompt in prompts:
-        if isinstance(prompt, dict):
-            prompt = prompt["prompt_token_ids"]
-        if isinstance(prompt, str):
-            raise TypeError("text prompts need a tokenizer; pass lists of token ids")
-        parsed.append([int(t) for t in prompt])
-    return parsed
+def _per_prompt(name: str, given, count: int, kind: type) -> list:
+    """One value for every prompt, or a list of one per prompt, each a ``kind``."""
+    values = [given or kind()] * count if given is None or isinstance(given, kind) else list(given)
+    if len(values) != count:
+        raise ValueError(f"{len(values)} {name} for {count} prompts")
+    for i, value in enumerate(values):
+        if not isinstance(value, kind):
+            raise TypeError(f"{name}[{i}] must be a {kind.__name__}, not {type(value).__name__}")
+    return values
+
+
+def _tokenizer_in(path) -> str | None:
+    """The checkpoint directory itself, if it holds a tokenizer."""
+    return str(path) if os.path.isfile(os.path.join(path, "tokenizer.json")) else None
+
+
+def _load_tokenizer(tokenizer):
+    """A tokenizer object, loaded with transformers if given as a directory."""
+    if tokenizer is None or not isinstance(tokenizer, (str, os.PathLike)):
+        return tokenizer
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer)
 
 
 def _progress_bar(total: int, enabled: bool):

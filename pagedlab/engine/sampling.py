@@ -28,7 +28,10 @@ class SamplingParams:
 
     ``temperature`` 0 is greedy; ``top_k`` 0 or -1 and ``top_p`` 1 keep every token;
     generation stops at the model's EOS (unless ``ignore_eos``), at any of
-    ``stop_token_ids``, or after ``max_tokens`` tokens.
+    ``stop_token_ids``, at any of the strings ``stop`` (the output text is cut before it; needs
+    a tokenizer), or after ``max_tokens`` tokens; ``logprobs=k`` returns, for each generated
+    token, the log-probabilities of the ``k`` likeliest tokens and of the sampled one, from the
+    model's raw logits (before temperature, top-k and top-p, as vLLM V1 by default).
     """
 
     n: int = 1
@@ -39,6 +42,8 @@ class SamplingParams:
     max_tokens: int = 16
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None
 
     def __post_init__(self):
         check_positive("n", self.n, integer=True)
@@ -49,9 +54,23 @@ class SamplingParams:
             raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
         if not isinstance(self.top_k, int) or self.top_k < -1:
             raise ValueError(f"top_k={self.top_k!r} must be -1, 0 (both: off) or a positive int")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed={self.seed!r} must be an int or None")
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int)
+            or not 0 <= self.seed < 2**63 - self.n
+        ):
+            raise ValueError(f"seed={self.seed!r} must be None or an int in [0, 2**63 - n)")
+        if self.logprobs is not None:
+            check_positive("logprobs", self.logprobs, integer=True, allow_zero=True)
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop={self.stop!r} must be non-empty strings")
+        ids = tuple(self.stop_token_ids)
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+            raise ValueError(f"stop_token_ids={self.stop_token_ids!r} must be token ids (ints >= 0)")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos={self.ignore_eos!r} must be True or False")
+        object.__setattr__(self, "stop_token_ids", ids)
+        object.__setattr__(self, "stop", stop)
 
     @property
     def width(self) -> int:
@@ -104,9 +123,18 @@ class Sampler:
             draws = [(seq, generator) for generator in group.generators]
         else:
             draws = [(s, group.generators[s.index]) for s in seqs]
-        children = []
+        children, k = [], group.params.logprobs
         for seq, generator in draws:
             row = rows[seq.seq_id]
             token = sample_token(logits[row], group.params, generator)
-            children.append(SequenceOutput(seq, token, float(logprobs[row, token])))
+            top = None if k is None else top_logprobs(logprobs[row], k, token)
+            children.append(SequenceOutput(seq, token, float(logprobs[row, token]), top))
         return GroupOutput(group, children)
+
+
+def top_logprobs(logprobs: Tensor, k: int, token: int) -> dict[int, float]:
+    """The ``k`` likeliest tokens' log-probabilities and the sampled ``token``'s, by token id."""
+    values, ids = logprobs.topk(k) if k else (logprobs[:0], logprobs[:0].long())
+    top = dict(zip(ids.tolist(), values.tolist()))
+    top.setdefault(token, float(logprobs[token]))
+    return top

@@ -21,6 +21,13 @@ first come first served (:class:`~pagedlab.engine.policy.FCFS`) unless another i
    ``max_num_seqs``, and the GPU keeps a watermark of free blocks. A prefill bigger than the
    whole budget runs in a step of its own, so it is not stuck behind the budget (a policy
    that keeps ranking it last can still starve it; FCFS cannot).
+4. A group preempted by recomputation after it forked (parallel samples, beams) computes its
+   shared prompt once when it comes back: one sequence prefills the prompt's full blocks, the
+   others fork them and prefill only their own tokens (vLLM V0 refused to recompute such
+   groups and required swapping).
+5. A request that can never run, because the whole cache is too small for it, fails alone:
+   it finishes with a :class:`CacheTooSmall` error of its own and its blocks are freed; the
+   other requests go on.
 
 Order within a step, as the manager requires: preempting comes before appending to a group,
 and a step's copies run swap first, then copy-on-write, then the forward pass.
@@ -29,6 +36,7 @@ and a step's copies run swap first, then copy-on-write, then the forward pass.
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -89,6 +97,7 @@ class Step:
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
     preempted: list[tuple[SequenceGroup, str]] = field(default_factory=list)  # (group, mode)
     swapped_in: list[SequenceGroup] = field(default_factory=list)
+    failed: list[SequenceGroup] = field(default_factory=list)  # can never run: finished
     stats: StepStats | None = None
 
     @property
@@ -112,6 +121,7 @@ class Scheduler:
         self.waiting: deque[SequenceGroup] = deque()  # waiting and swapped: in policy order
         self.running: list[SequenceGroup] = []
         self.swapped: list[SequenceGroup] = []
+        self.unfinished: dict[str, SequenceGroup] = {}  # by request id, whatever their queue
         self.num_steps = 0
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
@@ -162,7 +172,10 @@ class Scheduler:
             stop_token_ids=frozenset(stop_token_ids),
             generators=list(generators) or [None] * params.width,
         )
+        if request_id in self.unfinished:
+            raise ValueError(f"request {request_id!r} is already running; ids must be unique")
         enqueue(self.config.policy, self.waiting, group)
+        self.unfinished[request_id] = group
         return group
 
     @property
@@ -170,31 +183,68 @@ class Scheduler:
         return bool(self.waiting or self.running or self.swapped)
 
     def abort_all(self) -> None:
-        """Drop every unfinished request, its blocks and any copies pending (after an error)."""
-        for group in (*self.running, *self.swapped, *self.waiting):
-            for seq in group.live:
-                if group.status is not GroupStatus.WAITING:
-                    self.manager.free(seq.seq_id)
-                seq.finish_reason = "abort"
-            group.status = GroupStatus.FINISHED
+        """Drop every unfinished request, its blocks and any copies pending (after an error,
+        which may have struck between taking a group off its queue and putting it back)."""
+        for group in list(self.unfinished.values()):
+            self._finish(group, "abort")
         self.waiting.clear()
         self.running.clear()
         self.swapped.clear()
         self.manager.take_copies()
 
+    def abort(self, group: SequenceGroup) -> None:
+        """Drop one unfinished request and free its blocks (vLLM's ``abort_request``)."""
+        self._remove(group)
+        self._finish(group, "abort")
+
+    def _finish(self, group: SequenceGroup, reason: str) -> None:
+        """End every live sequence of a group taken off its queue, freeing what it holds."""
+        for seq in group.live:
+            if seq.seq_id in self.manager:
+                self.manager.free(seq.seq_id)
+            seq.finish_reason = reason
+        self._finished(group)
+
+    def _finished(self, group: SequenceGroup) -> None:
+        group.status = GroupStatus.FINISHED
+        group.metrics.finished_time = time.monotonic()
+        self.unfinished.pop(group.request_id, None)
+
+    def _remove(self, group: SequenceGroup) -> None:
+        queue = {GroupStatus.RUNNING: self.running, GroupStatus.SWAPPED: self.swapped,
+                 GroupStatus.WAITING: self.waiting}.get(group.status)
+        if queue is None:
+            raise ValueError(f"request {group.request_id!r} has already finished")
+        queue.remove(group)
+
+    def _fail(self, group: SequenceGroup, error: Exception, step: Step) -> None:
+        """Finish a request that can never run with ``error``; the others go on."""
+        self._remove(group)
+        self._finish(group, "error")
+        group.error = error
+        step.failed.append(group)
+
     # --- forming a step ---------------------------------------------------------------------
 
     def schedule(self) -> Step:
-        """Form the next step: decode the running, then swap in or admit as room allows."""
+        """Form the next step: decode the running, then swap in or admit as room allows.
+
+        A step with nothing else to run admits even after a preemption; if the head of the
+        queue cannot start even then, it never will: it fails, and the next one is tried.
+        """
         step = Step()
         self._schedule_running(step)
         if not step.preempted:
             self._schedule_swapped(step)
             if not self.swapped:
                 self._schedule_waiting(step)
-        if step.is_empty and self.has_unfinished:  # nothing runs, and the head cannot start
-            head = self.swapped[0] if self.swapped else self.waiting[0]
-            raise self._too_small(head, self._blocks_to_resume(head))
+        while step.is_empty and self.has_unfinished:  # nothing runs
+            self._schedule_swapped(step)
+            if not self.swapped:
+                self._schedule_waiting(step)
+            if step.is_empty:  # and the head cannot start in an idle cache
+                head = self.swapped[0] if self.swapped else self.waiting[0]
+                self._fail(head, self._too_small(head, self._blocks_to_resume(head)), step)
         step.copies = self.manager.take_copies()
         step.stats = self._step_stats(step)
         self.num_steps += 1
@@ -213,8 +263,9 @@ class Scheduler:
             elif self.running:
                 self._preempt(group, step)  # it is itself the policy's last left
             else:  # alone in the cache and still it cannot grow
-                self.running.append(group)  # it holds blocks: abort_all must find it
-                raise self._too_small(group, need + self.manager.num_used_blocks)
+                self.running.append(group)
+                self._fail(group, self._too_small(group, need + self.manager.num_used_blocks),
+                           step)
 
     def _schedule_swapped(self, step: Step) -> None:
         while self.swapped:
@@ -230,19 +281,47 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens - len(step.decodes)
         while self.waiting:
             group = self.waiting[0]
-            tokens = sum(len(s) for s in group.live)  # the prompt, or prompt + outputs again
+            # the prompt, or prompt + outputs again (a shared prompt counted once)
+            tokens = sum(map(len, group.live)) - (len(group.live) - 1) * self._shared_prompt(group)
             if not self._can_resume(group):
                 return
             if tokens > budget and not step.is_empty:  # too big for the budget: runs alone
                 return
             self.waiting.popleft()
-            for seq in group.live:
-                cached = self.manager.allocate(seq.seq_id, seq.token_ids)
-                step.prefills.append((seq, cached))
-            budget -= tokens
+            prefills = self._allocate(group)
+            step.prefills += prefills
+            budget -= sum(len(seq) - cached for seq, cached in prefills)
+            if group.metrics.first_scheduled_time is None:
+                group.metrics.first_scheduled_time = time.monotonic()
             group.status = GroupStatus.RUNNING
             self.running.append(group)
             step.groups.append(group)
+
+    def _allocate(self, group: SequenceGroup) -> list[tuple[Sequence, int]]:
+        """Blocks for a waiting group's prefill: each sequence, with its tokens already cached.
+
+        Forked sequences share their prompt's full blocks: the first computes them, the others
+        fork it before anyone appends, and then compute only what follows (the prompt's partial
+        last block and their own outputs, re-computed by each).
+        """
+        seqs, shared = group.live, self._shared_prompt(group)
+        if not shared:
+            return [(seq, self.manager.allocate(seq.seq_id, seq.token_ids)) for seq in seqs]
+        first = seqs[0]
+        hits = self.manager.allocate(first.seq_id, group.prompt_token_ids[:shared])
+        for seq in seqs[1:]:
+            self.manager.fork(first.seq_id, seq.seq_id)
+        for seq in seqs:
+            self.manager.append(seq.seq_id, seq.token_ids[shared:])
+        return [(first, hits)] + [(seq, shared) for seq in seqs[1:]]
+
+    def _shared_prompt(self, group: SequenceGroup) -> int:
+        """Prompt tokens in full blocks that a waiting group's live sequences will share
+        (0 if only one sequence is left, or the prompt fills no block)."""
+        if len(group.live) < 2:
+            return 0
+        bs = self.manager.block_size
+        return len(group.prompt_token_ids) // bs * bs
 
     def _decode(self, group: SequenceGroup, step: Step) -> None:
         """Store each live sequence's pending token; its key and value come this step."""
@@ -294,8 +373,8 @@ class Scheduler:
         return and next decode take."""
         if group.status is GroupStatus.SWAPPED:
             return group.blocks_to_swap_in
-        bs = self.manager.block_size
-        return sum(-(-len(seq) // bs) for seq in group.live)
+        bs, shared = self.manager.block_size, self._shared_prompt(group)
+        return shared // bs + sum(-(-(len(seq) - shared) // bs) for seq in group.live)
 
     def _can_resume(self, group: SequenceGroup) -> bool:
         """Would a waiting or swapped group fit now: its blocks above the watermark, its seats
@@ -332,7 +411,13 @@ class Scheduler:
     # --- after the step ---------------------------------------------------------------------
 
     def update(self, outputs: list[GroupOutput]) -> list[SequenceGroup]:
-        """Apply a step's sampled tokens: fork, prune, stop, free. Return the groups finished."""
+        """Apply a step's sampled tokens: fork, prune, stop, free. Return the groups finished.
+
+        The step has run, so its keys and values are in the cache: the blocks it filled may
+        serve prefix hits from now on (see :meth:`KVCacheManager.rollback` for a step that
+        failed instead).
+        """
+        self.manager.commit()
         finished = []
         for out in outputs:
             group = out.group
@@ -343,8 +428,8 @@ class Scheduler:
             else:
                 self._apply(group, out.children)
             if not group.live:
-                group.status = GroupStatus.FINISHED
                 self.running.remove(group)
+                self._finished(group)
                 finished.append(group)
         return finished
 
@@ -354,13 +439,14 @@ class Scheduler:
         Forks first, so that a fork copies its parent before the parent takes its new token;
         live sequences left without a child (pruned beams) are freed.
         """
-        kept, plan, num_forks = set(), [], 0
+        kept, plan = set(), []
         for child in children:
             parent = child.parent
             if parent.seq_id in kept:
-                seq = parent.fork(next(self._seq_ids), index=len(group.seqs) + num_forks)
+                seq = parent.fork(next(self._seq_ids), index=len(group.seqs))
                 self.manager.fork(parent.seq_id, seq.seq_id)
-                num_forks += 1
+                group.seqs.append(seq)  # at once: an abort must find every sequence
+                kept.add(seq.seq_id)
             else:
                 seq = parent
                 kept.add(parent.seq_id)
@@ -369,16 +455,24 @@ class Scheduler:
             if seq.seq_id not in kept:
                 self.manager.free(seq.seq_id)
         group.seqs = [s for s in group.seqs if s.is_finished] + [seq for seq, _ in plan]
+        if plan and group.metrics.first_token_time is None:
+            group.metrics.first_token_time = time.monotonic()
         for seq, child in plan:
-            seq.append(child.token, child.logprob)
+            seq.append(child.token, child.logprob, child.top)
             if not group.is_beam_search:
                 self._check_stop(group, seq)
 
     def _check_stop(self, group: SequenceGroup, seq: Sequence) -> None:
-        """Finish a sampled sequence at a stop token or at ``max_tokens``; free its blocks."""
-        if seq.output_token_ids[-1] in group.stop_token_ids:
-            seq.finish_reason = "stop"
-        elif len(seq.output_token_ids) >= group.params.max_tokens:
+        """Finish a sampled sequence at a stop token or string, at ``max_tokens`` or at the
+        model's length; free its blocks."""
+        token = seq.output_token_ids[-1]
+        if token in group.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token
+        elif group.stop_check is not None and (found := group.stop_check(seq)) is not None:
+            seq.finish_reason, seq.stop_reason = "stop", found
+        elif len(seq.output_token_ids) >= group.params.max_tokens or (
+            group.max_len is not None and len(seq) >= group.max_len
+        ):
             seq.finish_reason = "length"
         else:
             return

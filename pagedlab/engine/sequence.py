@@ -10,6 +10,8 @@ written only by the next step's forward pass.
 from __future__ import annotations
 
 import enum
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -31,7 +33,9 @@ class Sequence:
     index: int = 0  # which completion of its request (parallel sampling)
     output_token_ids: list[int] = field(default_factory=list)
     cumulative_logprob: float = 0.0
-    finish_reason: str | None = None  # "stop", "length" or "abort" once finished
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error" once finished
+    stop_reason: int | str | None = None  # the stop token or stop string that ended it
+    logprobs: list[dict[int, float]] | None = None  # per output token, if requested
 
     @property
     def token_ids(self) -> list[int]:
@@ -44,9 +48,14 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.finish_reason is not None
 
-    def append(self, token: int, logprob: float) -> None:
+    def append(self, token: int, logprob: float, top: dict[int, float] | None = None) -> None:
+        """Take a sampled token; ``top`` holds the log-probabilities asked for (``logprobs``)."""
         self.output_token_ids.append(token)
         self.cumulative_logprob += logprob
+        if top is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.append(top)
 
     def fork(self, seq_id: int, index: int) -> Sequence:
         """A copy under a new id: same tokens and score, so far."""
@@ -56,7 +65,30 @@ class Sequence:
             index,
             self.output_token_ids.copy(),
             self.cumulative_logprob,
+            logprobs=None if self.logprobs is None else self.logprobs.copy(),
         )
+
+
+@dataclass
+class RequestMetrics:
+    """When a request arrived, got its first output token and finished (``time.monotonic``
+    seconds), as vLLM's ``RequestOutput.metrics``: time to first token is
+    ``first_token_time - arrival_time``."""
+
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    def time_per_output_token(self, num_tokens: int) -> float | None:
+        """Mean seconds between output tokens after the first (None before two tokens)."""
+        if self.finished_time is None or self.first_token_time is None or num_tokens < 2:
+            return None
+        return (self.finished_time - self.first_token_time) / (num_tokens - 1)
 
 
 @dataclass(eq=False)
@@ -68,7 +100,11 @@ class SequenceGroup:
     tokens that end a sequence (the model's EOS unless ignored, plus the request's own);
     ``generators`` the random stream of each parallel sample (by index); ``completed`` the
     finished beams of beam search, best first; ``priority`` the request's urgency, smaller
-    first, for a :class:`~pagedlab.engine.policy.Priority` policy (others ignore it).
+    first, for a :class:`~pagedlab.engine.policy.Priority` policy (others ignore it);
+    ``max_len`` caps a sequence's prompt and output tokens together (``max_model_len``);
+    ``stop_check``, if set, reads a sequence after each token and returns the stop string that
+    ends it, or None (the scheduler has no tokenizer: the engine supplies this);
+    ``error`` is what failed the request, if anything did (it finished, the others go on).
     """
 
     request_id: str
@@ -83,6 +119,10 @@ class SequenceGroup:
     status: GroupStatus = GroupStatus.WAITING
     completed: list = field(default_factory=list)  # BeamSearchSequence, beam search only
     blocks_to_swap_in: int = 0  # while swapped out: GPU blocks to come back and decode
+    max_len: int | None = None
+    stop_check: Callable[[Sequence], str | None] | None = None
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    error: Exception | None = None
 
     @property
     def live(self) -> list[Sequence]:
@@ -115,6 +155,7 @@ class SequenceOutput:
     parent: Sequence
     token: int
     logprob: float
+    top: dict[int, float] | None = None  # the top log-probabilities, if the request asks
 
 
 @dataclass

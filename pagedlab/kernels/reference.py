@@ -1,8 +1,9 @@
 """Paged decode attention and the KV-cache operations in plain torch: the spec for the kernels.
 
 Each function has the signature of its Triton counterpart in :mod:`pagedlab.kernels` and is
-written to be read, not to be fast: a Python loop over sequences, each sequence's keys and values
-gathered through its block table, attention computed in fp32.
+written to be read: keys and values gathered through the block tables with plain indexing,
+attention computed in fp32. It is also the engine's fast path on a CPU, so decode attention is
+batched over sequences rather than looped (:func:`gather_kv` shows one sequence's gather).
 
 Layouts (the same everywhere in pagedlab)::
 
@@ -46,22 +47,32 @@ def paged_attention(
     Query head h reads KV head h // (num_heads // num_kv_heads) (MHA, GQA and MQA alike).
     ``check_values=False`` skips the checks that read seq_lens and block_tables, for a caller
     that built them (every function here takes it, as the Triton ones do).
+
+    The whole batch at once: every sequence's blocks are gathered through its table into a
+    padded [num_seqs, tokens, ...] tensor, and the slots past each sequence's length masked
+    out (their keys and values may be anything, NaN included).
     """
     scale = check_paged_attention(
         query, key_cache, value_cache, block_tables, seq_lens, scale, check_values=check_values
     )
-    group = query.shape[1] // key_cache.shape[2]  # query heads per KV head
-    out = query.new_empty(query.shape)  # [num_seqs, num_heads, head_dim]
-    for i, seq_len in enumerate(seq_lens.tolist()):
-        k = gather_kv(key_cache, block_tables[i], seq_len).float()  # [seq_len, num_kv_heads, D]
-        v = gather_kv(value_cache, block_tables[i], seq_len).float()
-        k = k.repeat_interleave(group, dim=1)  # [seq_len, num_heads, D]: each KV head, group times
-        v = v.repeat_interleave(group, dim=1)
-        q = query[i].float()  # [num_heads, D]
-        logits = torch.einsum("hd,thd->ht", q, k) * scale  # [num_heads, seq_len]
-        probs = logits.softmax(dim=-1)  # [num_heads, seq_len], fp32
-        out[i] = torch.einsum("ht,thd->hd", probs, v).to(query.dtype)  # [num_heads, D]
-    return out
+    num_seqs, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    if num_seqs == 0:
+        return query.new_empty(query.shape)
+    lens = seq_lens.long()  # [num_seqs]
+    width = -(-int(lens.max()) // block_size)  # blocks of the longest sequence
+    used = torch.arange(width, device=lens.device) < -(-lens[:, None] // block_size)  # [S, W]
+    blocks = torch.where(used, block_tables[:, :width].long(), 0)  # [S, W]; unused: block 0
+    keys = key_cache[blocks].flatten(1, 2).float()  # [S, T, num_kv_heads, D], T = W * block_size
+    values = value_cache[blocks].flatten(1, 2).float()
+    valid = torch.arange(keys.shape[1], device=lens.device) < lens[:, None]  # [S, T]
+    values = values.masked_fill(~valid[:, :, None, None], 0)  # 0 * NaN would be NaN
+    q = query.float().view(num_seqs, num_kv_heads, -1, head_dim)  # [S, num_kv_heads, group, D]
+    logits = torch.einsum("skgd,stkd->skgt", q, keys) * scale  # [S, num_kv_heads, group, T]
+    logits = logits.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = logits.softmax(dim=-1)  # fp32
+    out = torch.einsum("skgt,stkd->skgd", probs, values)  # [S, num_kv_heads, group, D]
+    return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
 
 
 def reshape_and_cache(

@@ -104,6 +104,13 @@ class BlockAllocator:
             raise StateError(f"block {block} of pool {self.name!r} is not parked; cannot revive it")
         self._refs[block] = 1
 
+    def unpark(self, blocks: Sequence[int]) -> None:
+        """Put blocks the evictor has let go of without handing them out back on the free list."""
+        for b in blocks:
+            if not (0 <= b < self.num_blocks and self._refs[b] == 0) or b in self._free:
+                raise StateError(f"block {b} of pool {self.name!r} is not parked; cannot free it")
+        self._free.extend(blocks)
+
     def release(self, blocks: Sequence[int]) -> None:
         """Drop one user from each block, in order; a block left with none is parked or freed.
 

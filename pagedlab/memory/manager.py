@@ -112,6 +112,10 @@ class KVCacheManager:
         if record_events and self.prefix_cache is not None:
             self.prefix_cache.on_evict = lambda blocks: self._record("evict", None, blocks)
 
+    def __contains__(self, seq_id: Hashable) -> bool:
+        """Does the manager hold blocks for ``seq_id`` (running or swapped out)?"""
+        return seq_id in self._running or seq_id in self._swapped
+
     # --- capacity ---------------------------------------------------------------------------
 
     @property
@@ -225,6 +229,19 @@ class KVCacheManager:
         del tables[seq_id]
         if self.events is not None:
             self._record("free", seq_id, released)
+
+    def commit(self) -> None:
+        """The step's keys and values are written: blocks cached during it may be hit from now
+        on as before. Call after every forward pass that succeeded."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.commit()
+
+    def rollback(self) -> None:
+        """A step failed before its keys and values were all written: forget the blocks
+        cached since the last :meth:`commit` (parked ones go back to the free list). Free the
+        step's sequences first, so that no live sequence relies on them."""
+        if self.prefix_cache is not None:
+            self.gpu.unpark(self.prefix_cache.rollback())
 
     def take_copies(self) -> list[tuple[int, int]]:
         """The (src, dst) copy-on-write pairs since the last call: one ``copy_blocks`` batch."""

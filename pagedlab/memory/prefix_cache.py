@@ -11,6 +11,11 @@ values and counts as free capacity. The allocator evicts parked blocks, least re
 first, only when its free list is empty. Sequences release their blocks tail first, so within
 one chain the tail is evicted before the head, and a cached block's parent is always cached
 too (the chain stays reachable from its head).
+
+A block is cached when a sequence's tokens fill it, before the step that writes its keys and
+values has run. The cache therefore remembers what it indexed since the engine last called
+:meth:`PrefixCache.commit` (after a forward pass); if a step fails, :meth:`PrefixCache.rollback`
+forgets those blocks, so no later request can hit a block that was never written.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ class PrefixCache:
         # block -> (its key, its parent block or None, its tokens)
         self._entry: dict[int, tuple[int, int | None, tuple[int, ...]]] = {}
         self._parked: OrderedDict[int, None] = OrderedDict()  # no users; least recently used first
+        self._pending: list[int] = []  # cached since the last commit: K/V maybe not written yet
         self.evictions = 0
         self.on_evict: Callable[[list[int]], None] | None = None
         allocator.evictor = self
@@ -103,6 +109,26 @@ class PrefixCache:
                 return  # nor can any later block, whose parent this one is
             block_of[keys[i]] = blocks[i]
             entry[blocks[i]] = (keys[i], parent, tuple(token_ids[i * bs : (i + 1) * bs]))
+            self._pending.append(blocks[i])
+
+    def commit(self) -> None:
+        """The keys and values of every block cached so far are written: keep them."""
+        self._pending.clear()
+
+    def rollback(self) -> list[int]:
+        """Forget the blocks cached since the last :meth:`commit`, newest first (a child
+        before its parent); return those that were parked, which are now free capacity."""
+        unparked = []
+        for block in reversed(self._pending):
+            entry = self._entry.pop(block, None)
+            if entry is None:  # evicted since
+                continue
+            del self._block_of[entry[0]]
+            if block in self._parked:
+                del self._parked[block]
+                unparked.append(block)
+        self._pending.clear()
+        return unparked
 
     def park(self, block: int) -> bool:
         """Keep ``block``, which just lost its last user, if it is cached (the allocator asks)."""
