@@ -18,6 +18,7 @@ from pagedlab.device import DEVICE
 from pagedlab.kernels import paged_attention, paged_attention_varlen
 from pagedlab.kernels import varlen_reference as ref
 from pagedlab.kernels.inputs import PagedVarlenInputs, random_varlen_inputs
+from pagedlab.kernels import varlen
 from pagedlab.kernels.varlen import QUERY_ROWS, choose_query_tile
 from pagedlab.kernels.varlen_checks import check_paged_attention_varlen
 
@@ -221,13 +222,21 @@ BAD = [
 ]
 
 
+class Trap:
+    """Stands in for the Triton kernel: launching it fails the test."""
+
+    def __getitem__(self, grid):
+        raise AssertionError("the kernel was launched despite a bad argument")
+
+
 def bad_inputs() -> PagedVarlenInputs:
     return make_inputs([30, 9, 9], [12, 6, 1], (4, 2), 32, 8, device="cpu")
 
 
 @pytest.mark.parametrize("fn", [paged_attention_varlen, ref.paged_attention_varlen])
 @pytest.mark.parametrize("name, corrupt, error, message", BAD, ids=[b[0] for b in BAD])
-def test_bad_arguments(fn, name, corrupt, error, message):
+def test_bad_arguments(fn, name, corrupt, error, message, monkeypatch):
+    monkeypatch.setattr(varlen, "_varlen_attention_kernel", Trap())
     x = bad_inputs()
     check_paged_attention_varlen(*x.args(), None)  # the batch is valid before it is corrupted
     corrupt(x)
@@ -236,7 +245,8 @@ def test_bad_arguments(fn, name, corrupt, error, message):
 
 
 @pytest.mark.parametrize("kw, message", [({"scale": 0.0}, "scale"), ({"query_tile": 0}, "tile")])
-def test_bad_keywords(kw, message):
+def test_bad_keywords(kw, message, monkeypatch):
+    monkeypatch.setattr(varlen, "_varlen_attention_kernel", Trap())
     with pytest.raises(ValueError, match=message):
         paged_attention_varlen(*bad_inputs().args(), **kw)
 

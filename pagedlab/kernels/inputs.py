@@ -1,4 +1,4 @@
-"""Random paged batches (decode steps, mixed steps) on a KV cache, for tests, benchmarks and chapters.
+"""Random paged batches (decode steps and mixed steps) for tests, benchmarks and chapters.
 
 Slots that no sequence uses are filled with NaN (by default), so a kernel that reads past a
 sequence's last token, or through a table entry past its last block, shows it in its output.
