@@ -258,10 +258,10 @@ GPU_TOL = {FP32: 1e-5, FP16: 2e-3, BF16: 2e-2}  # tl.exp is approximate on a GPU
 GPU_CASES = [
     (dtype, heads, head_dim, block_size)
     for dtype in (FP32, FP16, BF16)
-    for heads, head_dim in (((32, 8), 128), ((9, 3), 64), ((8, 1), 64))
+    for heads, head_dim in (((32, 8), 128), ((9, 3), 64))  # Llama-3-8B's, SmolLM2's
     for block_size in (8, 16, 1, 32)
     if block_size in (8, 16) or dtype == BF16
-]
+]  # 16 cases x 2 query tiles: each a compilation, so the list stays short
 
 
 @pytest.mark.gpu
@@ -271,7 +271,7 @@ def test_gpu_mixed_batch(dtype, heads, head_dim, block_size):
     q_lens = [1, 1, 512, 512, 1, 700, 3]
     x = make_inputs(seq_lens, q_lens, heads, head_dim, block_size, dtype, device=DEVICE,
                     layout="random")
-    for query_tile in (None, 1, 16):
+    for query_tile in (None, 1):
         check(x, GPU_TOL[dtype], query_tile=query_tile)
 
 
