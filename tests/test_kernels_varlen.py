@@ -205,7 +205,7 @@ BAD = [
         "context < chunk",
         _set("seq_lens", lambda s: torch.tensor([30, 5, 9], dtype=s.dtype)),
         ValueError,
-        "seq_lens[1] = 5 must be in [max(1, q_len)",
+        "seq_lens[1] = 5 is less than the sequence's 6 query tokens",
     ),
     (
         "past capacity",

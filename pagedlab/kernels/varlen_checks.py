@@ -14,9 +14,9 @@ from torch import Tensor
 from pagedlab._checks import check_positive
 from pagedlab.kernels.validate import (
     FLOAT_DTYPES,
-    _check_block_ids,
     _check_device,
     _check_like,
+    _check_seq_lens,
     _check_tensor,
     _check_unit_stride,
     _first,
@@ -35,7 +35,7 @@ def check_paged_attention_varlen(
     int32 [num_seqs, max_blocks_per_seq] (any strides); query_start_loc int32 [num_seqs + 1]
     and seq_lens int32 [num_seqs], both contiguous (the kernel indexes them as flat arrays).
     Values: query_start_loc runs from 0 to num_tokens without decreasing; each sequence's
-    query length q_len <= seq_len <= the table's capacity, seq_len >= 1; every block a
+    seq_len is in [1, the table's capacity] and at least its query length; every block a
     sequence reads exists.
     """
     _check_tensor("query", query, 3, FLOAT_DTYPES)
@@ -83,7 +83,8 @@ def check_paged_attention_varlen(
     check_positive("scale", scale)
     if check_values and num_seqs:
         _check_offsets(query_start_loc, num_tokens)
-        _check_context(block_tables, query_start_loc, seq_lens, block_size, num_blocks)
+        _check_seq_lens(block_tables, seq_lens, block_size, num_blocks)  # as for a decode
+        _check_query_lens(query_start_loc, seq_lens)
     return float(scale)
 
 
@@ -104,21 +105,14 @@ def _check_offsets(query_start_loc: Tensor, num_tokens: int) -> None:
         )
 
 
-def _check_context(block_tables, query_start_loc, seq_lens, block_size, num_blocks) -> None:
-    """max(1, q_len) <= seq_len <= capacity for each sequence, and every block it reads exists."""
-    max_blocks = block_tables.shape[1]
-    capacity = max_blocks * block_size
-    lens = seq_lens.long()  # [num_seqs]
-    q_lens = query_start_loc.diff().long()  # [num_seqs]
-    bad = (lens < q_lens.clamp(min=1)) | (lens > capacity)
-    if bad.any():
-        (i,) = _first(bad)
+def _check_query_lens(query_start_loc: Tensor, seq_lens: Tensor) -> None:
+    """Each sequence's context length counts its new query tokens: q_len <= seq_len."""
+    q_lens = query_start_loc.diff()  # [num_seqs]
+    short = seq_lens < q_lens
+    if short.any():
+        (i,) = _first(short)
         raise ValueError(
-            f"seq_lens[{i}] = {lens[i].item()} must be in [max(1, q_len), {capacity}]: at least "
-            f"the sequence's {q_lens[i].item()} query tokens (whose K/V are in the cache), at "
-            f"most the table's capacity max_blocks_per_seq * block_size = "
-            f"{max_blocks} * {block_size}"
+            f"seq_lens[{i}] = {seq_lens[i].item()} is less than the sequence's "
+            f"{q_lens[i].item()} query tokens (query_start_loc[{i + 1}] - query_start_loc[{i}]): "
+            "a context length includes the new tokens, whose K/V are already in the cache"
         )
-    needed = (lens + block_size - 1) // block_size  # [num_seqs], blocks each sequence reads
-    used = torch.arange(max_blocks, device=lens.device) < needed[:, None]  # [num_seqs, max_blocks]
-    _check_block_ids("block_tables", block_tables, num_blocks, "key_cache", used)
