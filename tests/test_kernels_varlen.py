@@ -233,7 +233,9 @@ def bad_inputs() -> PagedVarlenInputs:
     return make_inputs([30, 9, 9], [12, 6, 1], (4, 2), 32, 8, device="cpu")
 
 
-@pytest.mark.parametrize("fn", [paged_attention_varlen, ref.paged_attention_varlen])
+@pytest.mark.parametrize(
+    "fn", [paged_attention_varlen, ref.paged_attention_varlen], ids=["triton", "reference"]
+)
 @pytest.mark.parametrize("name, corrupt, error, message", BAD, ids=[b[0] for b in BAD])
 def test_bad_arguments(fn, name, corrupt, error, message, monkeypatch):
     monkeypatch.setattr(varlen, "_varlen_attention_kernel", Trap())
