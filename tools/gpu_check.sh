@@ -3,10 +3,10 @@
 # First, at once: the -m gpu kernel tests; the rest of the test suite, which must pass with a
 # GPU present too; the chapters at the large size preset through tools/run_chapters.py (needs
 # IPython and ipywidgets). Chapter 9 is left out: it simulates on the CPU and runs in CI.
-# Then, alone on the GPU, the decode benchmark. Needs python3 with torch, triton, numpy, pytest,
-# hypothesis and transformers. Writes 7 files under $OUT (default benchmarks/results).
-# About 8 minutes: each part has a timeout, the benchmark skips its slow baselines after
-# --budget-s seconds.
+# Then, alone on the GPU, the decode and mixed-batch (varlen) benchmarks. Needs python3 with
+# torch, triton, numpy, pytest, hypothesis and transformers. Writes 10 files under $OUT
+# (default benchmarks/results). About 9 minutes: each part has a timeout, the decode benchmark
+# skips its slow baselines after --budget-s seconds.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results}
@@ -41,6 +41,10 @@ timeout 200 "$PY" benchmarks/bench_decode.py --budget-s 80 --out "$OUT/decode-gp
   >"$OUT/bench-decode.log" 2>&1
 bench=$?
 cat "$OUT/decode-gpu.md" 2>/dev/null
+timeout 100 "$PY" benchmarks/bench_varlen.py --out "$OUT/varlen-gpu.json" \
+  >"$OUT/bench-varlen.log" 2>&1
+bench=$(( bench || $? ))
+cat "$OUT/varlen-gpu.md" 2>/dev/null
 
 echo "gpu_check exits: gpu tests $gpu_tests, suite $suite, chapters $book, benchmark $bench" \
   | tee -a "$OUT/summary.txt"

@@ -4,7 +4,8 @@
 interpreter on a CPU); ``pagedlab.kernels.reference`` holds the same functions in plain torch,
 the spec the kernels are tested against. Arguments are checked before any launch
 (``pagedlab.kernels.validate``). Chapter 10's kernels (a two-pass decode, an fp8 cache, MLA over
-a latent cache) have their specs in ``fp8_reference`` and ``mla_reference``.
+a latent cache) have their specs in ``fp8_reference`` and ``mla_reference``; the mixed-batch
+(prefill chunks and decodes) ``paged_attention_varlen`` has its spec in ``varlen_reference``.
 """
 
 from pagedlab.kernels.cache_ops import copy_blocks, reshape_and_cache, swap_blocks
@@ -12,9 +13,11 @@ from pagedlab.kernels.decode import paged_attention
 from pagedlab.kernels.fp8 import paged_attention_fp8, reshape_and_cache_fp8
 from pagedlab.kernels.mla import cache_latent, mla_attention, mla_decode
 from pagedlab.kernels.two_pass import paged_attention_two_pass
+from pagedlab.kernels.varlen import paged_attention_varlen
 
 __all__ = [
     "paged_attention",
+    "paged_attention_varlen",
     "reshape_and_cache",
     "copy_blocks",
     "swap_blocks",

@@ -1,4 +1,4 @@
-"""Random decode batches on a paged KV cache, for tests, benchmarks and chapters.
+"""Random paged batches (decode steps and mixed steps) for tests, benchmarks and chapters.
 
 Slots that no sequence uses are filled with NaN (by default), so a kernel that reads past a
 sequence's last token, or through a table entry past its last block, shows it in its output.
@@ -13,7 +13,7 @@ from torch import Tensor
 
 from pagedlab.device import DEVICE
 
-__all__ = ["PagedDecodeInputs", "random_paged_inputs"]
+__all__ = ["PagedDecodeInputs", "random_paged_inputs", "PagedVarlenInputs", "random_varlen_inputs"]
 
 LAYOUTS = ("permuted", "random")
 
@@ -92,4 +92,46 @@ def random_paged_inputs(
 
     return PagedDecodeInputs(
         query, key_cache, value_cache, tables.to(torch.int32), lens.to(device, torch.int32)
+    )
+
+
+@dataclass
+class PagedVarlenInputs:
+    """The arguments of ``paged_attention_varlen`` for one mixed step."""
+
+    query: Tensor  # [num_tokens, num_heads, head_dim], every sequence's new tokens, packed
+    key_cache: Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: Tensor  # same shape as key_cache
+    block_tables: Tensor  # int32 [num_seqs, max_blocks_per_seq]
+    query_start_loc: Tensor  # int32 [num_seqs + 1], where each sequence's tokens start
+    seq_lens: Tensor  # int32 [num_seqs], context lengths, the new tokens included
+
+    def args(self) -> tuple[Tensor, ...]:
+        return (
+            self.query, self.key_cache, self.value_cache, self.block_tables,
+            self.query_start_loc, self.seq_lens,
+        )
+
+
+def random_varlen_inputs(seq_lens, query_lens, *, seed: int = 0, **kw) -> PagedVarlenInputs:
+    """A mixed step: sequence i has ``seq_lens[i]`` tokens in the cache, of which the last
+    ``query_lens[i]`` are this step's queries (1 for a decode, a chunk for a prefill).
+
+    The cache and tables are :func:`random_paged_inputs`' (``kw`` as there: heads, head_dim,
+    block_size, dtype, device, layout, fill ...), so every slot no sequence reads holds NaN.
+    """
+    x = random_paged_inputs(seq_lens, seed=seed, **kw)
+    q_lens = torch.tensor(list(query_lens), dtype=torch.int32)  # [num_seqs]
+    if q_lens.shape != x.seq_lens.shape or bool((q_lens > x.seq_lens.cpu()).any()):
+        raise ValueError(f"query_lens {q_lens.tolist()} must give each sequence <= seq_lens")
+    starts = torch.zeros(len(q_lens) + 1, dtype=torch.int32)  # [num_seqs + 1]
+    starts[1:] = q_lens.cumsum(0)
+    _, num_heads, head_dim = x.query.shape
+    g = torch.Generator(device=x.query.device).manual_seed(seed + 1)
+    query = torch.randn(  # [num_tokens, num_heads, head_dim]
+        int(starts[-1]), num_heads, head_dim, generator=g, device=x.query.device,
+        dtype=x.query.dtype,
+    )
+    return PagedVarlenInputs(
+        query, x.key_cache, x.value_cache, x.block_tables, starts.to(query.device), x.seq_lens
     )
