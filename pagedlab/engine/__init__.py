@@ -14,7 +14,13 @@ from pagedlab.engine.outputs import CompletionOutput, RequestOutput
 from pagedlab.engine.policy import FCFS, Policy, Priority
 from pagedlab.engine.runner import ModelRunner
 from pagedlab.engine.sampling import Sampler, SamplingParams
-from pagedlab.engine.scheduler import CacheTooSmall, Scheduler, SchedulerConfig, Step
+from pagedlab.engine.scheduler import (
+    CacheTooSmall,
+    Scheduler,
+    SchedulerConfig,
+    Step,
+    TooManySequences,
+)
 from pagedlab.engine.sequence import (
     GroupOutput,
     GroupStatus,
@@ -51,4 +57,5 @@ __all__ = [
     "SequenceOutput",
     "Step",
     "StepStats",
+    "TooManySequences",
 ]

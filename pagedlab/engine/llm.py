@@ -32,6 +32,7 @@ from pagedlab.engine.scheduler import (
     CacheTooSmall,
     Scheduler,
     SchedulerConfig,
+    TooManySequences,
 )
 from pagedlab.engine.sequence import SequenceGroup
 from pagedlab.engine.stats import EngineStats
@@ -46,7 +47,7 @@ from pagedlab.engine.text import (
 from pagedlab.memory import InvariantError, KVCacheManager
 from pagedlab.model import PagedLlama, from_pretrained
 
-REQUEST_ERRORS = (InvalidPrompt, CacheTooSmall)  # fail one request, not the call
+REQUEST_ERRORS = (InvalidPrompt, CacheTooSmall, TooManySequences)  # fail one request alone
 
 
 class LLM:
@@ -206,8 +207,8 @@ class LLM:
 
     def add_request(self, request_id: str, prompt, params, arrival_time: float | None = None,
                     priority: int = 0) -> SequenceGroup:
-        """Queue a request; raise :class:`InvalidPrompt` or :class:`CacheTooSmall` if it can
-        never run (nothing is queued then)."""
+        """Queue a request; raise :class:`InvalidPrompt`, :class:`CacheTooSmall` or
+        :class:`TooManySequences` if it can never run (nothing is queued then)."""
         if not isinstance(params, (SamplingParams, BeamSearchParams)):
             raise TypeError(f"request {request_id!r}: params must be a SamplingParams or a "
                             f"BeamSearchParams, not {type(params).__name__}")

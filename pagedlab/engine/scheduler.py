@@ -54,6 +54,10 @@ class CacheTooSmall(RuntimeError):
     """A request can never run: the whole cache is too small for it. Names the request."""
 
 
+class TooManySequences(ValueError):
+    """A request runs more sequences at once (``n``, ``beam_width``) than ``max_num_seqs``."""
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """The scheduler's limits (vLLM's names and defaults) and its policy."""
@@ -148,7 +152,7 @@ class Scheduler:
         if not prompt:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
         if params.width > self.config.max_num_seqs:
-            raise ValueError(
+            raise TooManySequences(
                 f"request {request_id!r} runs {params.width} sequences at once, more than "
                 f"max_num_seqs={self.config.max_num_seqs}"
             )
