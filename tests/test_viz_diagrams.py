@@ -64,9 +64,10 @@ def test_decode_grid_draws_every_program_tile_and_block_of_the_table():
                 for start, end in D.split_ranges(n, splits, tile) if end > start)
     assert len(D.artists(fig, "tile")) == heads * tiles
     assert sum(r.get_width() for r in D.artists(fig, "tile")) == heads * sum(seq_lens)
-    # each block is labelled with its physical id: the multiset of labels is the table's
-    labels = sorted(int(t) for t in texts(fig) if t.isdigit())
-    assert labels == sorted(heads * used)
+    # each block at least half full is labelled with its physical id from the table
+    labelled = [tables[s][j] for s, n in enumerate(seq_lens) for j in range(-(-n // block_size))
+                if 2 * min(block_size, n - j * block_size) >= block_size]
+    assert sorted(int(t) for t in texts(fig) if t.isdigit()) == sorted(heads * labelled)
 
 
 def test_split_merge_weights_are_the_softmax_of_the_log_sum_exps():
@@ -83,8 +84,8 @@ def test_split_merge_weights_are_the_softmax_of_the_log_sum_exps():
 
 def test_hash_chain_draws_each_distinct_prefix_block_once():
     # the last prompt's second block holds the first prompt's first tokens, after another prefix
-    prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 5, 6, 9, 9, 1, 2], [1, 2, 3, 4, 7, 7, 7, 7],
-               [7, 7, 7, 1, 2, 3]]
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 5, 6, 9, 9, 1, 2],
+               [1, 2, 3, 4, 7, 7, 7, 7], [7, 7, 7, 1, 2, 3]]
     bs = 3
     fig = D.hash_chain(prompts, bs)
     prefixes = {tuple(p[:k]) for p in prompts for k in range(bs, len(p) + 1, bs)}

@@ -117,6 +117,7 @@ def decode_grid(seq_lens: Sequence[int], block_tables, block_size: int, num_kv_h
     cut into the tiles its loop visits. A tile's tokens may span several blocks, or part of one.
     """
     rows = [(s, h) for s in range(len(seq_lens)) for h in range(num_kv_heads)]
+    coords = "seq, KV head, split" if num_splits > 1 else "seq, KV head"
     longest = max(seq_lens)
     fig, ax = _canvas(0.9 + 0.62 * len(rows), (-0.2 * longest, longest * 1.16),
                       (-0.9, len(rows) * 1.0))
@@ -126,8 +127,9 @@ def decode_grid(seq_lens: Sequence[int], block_tables, block_size: int, num_kv_h
                 fontsize=FONT)
         for j in range(-(-seq_lens[s] // block_size)):
             end = min((j + 1) * block_size, seq_lens[s])
-            _box(ax, j * block_size, y + 0.45, end - j * block_size, 0.4,
-                 str(int(block_tables[s][j])), gid="block", fill="#f2f2f2")
+            label = str(int(block_tables[s][j])) if 2 * (end - j * block_size) >= block_size else ""
+            _box(ax, j * block_size, y + 0.45, end - j * block_size, 0.4, label, gid="block",
+                 fill="#f2f2f2")
         for k, (start, end) in enumerate(split_ranges(seq_lens[s], num_splits, tile)):
             color = COLORS[k % len(COLORS)]
             if start >= end:  # an empty split: a program that loads nothing
@@ -141,11 +143,12 @@ def decode_grid(seq_lens: Sequence[int], block_tables, block_size: int, num_kv_h
                 _box(ax, t, y + 0.05, min(t + tile, end) - t, 0.1, gid="tile", fill=color,
                      edge="#ffffff")
             label = f"({s},{h},{k})" if num_splits > 1 else f"({s},{h})"
-            ax.text((start + end) / 2, y + 0.27, label, ha="center", va="center",
-                    fontsize=FONT, color="#222222")
+            if end - start >= 0.1 * longest:  # room for the label
+                ax.text((start + end) / 2, y + 0.27, label, ha="center", va="center",
+                        fontsize=FONT, color="#222222")
     ax.text(-0.2 * longest, -0.5, f"grey: logical blocks of {block_size} tokens, each naming "
-            f"its physical block\ncoloured: the programs (seq, KV head, split), cut into tiles "
-            f"of {tile} tokens", fontsize=FONT, color="#555555", va="center")
+            f"its physical block\ncoloured: the programs ({coords}), cut into tiles of {tile} "
+            "tokens", fontsize=FONT, color="#555555", va="center")
     return fig
 
 
@@ -178,14 +181,19 @@ def split_merge(ranges: Sequence[tuple[int, int]], lse: Sequence[float]) -> Figu
 # --- Chapter 5: the prefix cache's hash chain -----------------------------------------------
 
 
-def hash_chain(prompts: Sequence[Sequence[int]], block_size: int) -> Figure:
+def hash_chain(prompts: Sequence[Sequence[int]], block_size: int,
+               words: Mapping[int, str] | None = None) -> Figure:
     """The prefix cache's keys for ``prompts``: full blocks chained by ``block_key``.
 
     A block's key hashes its parent's key with its own tokens, so equal keys mean equal
     prefixes: blocks that several prompts share are drawn once, and the chains form a tree.
-    A partial last block has no key (it is never cached) and is drawn dashed.
+    A partial last block has no key (it is never cached) and is drawn dashed. ``words`` maps
+    token ids to the text shown; by default the ids are.
     """
-    nodes: dict[int, tuple[int, int, int | None, tuple]] = {}  # key -> (row, column, parent, tokens)
+    def show(tokens):
+        return " ".join(words[t] if words else str(t) for t in tokens)
+
+    nodes: dict[int, tuple] = {}  # key -> (row, column, parent key, tokens)
     partial = []
     for row, prompt in enumerate(prompts):
         parent = None
@@ -206,14 +214,14 @@ def hash_chain(prompts: Sequence[Sequence[int]], block_size: int) -> Figure:
 
     for key, (row, col, parent, tokens) in nodes.items():
         x, y = corner(row, col)
-        _box(ax, x, y, w * 0.8, 0.62, f"{' '.join(map(str, tokens))}\n#{key & 0xffff:04x}",
+        _box(ax, x, y, w * 0.8, 0.62, f"{show(tokens)}\n#{key & 0xffff:04x}",
              gid="block", fill="#d0e2f3")
         if parent is not None:
             px, py = corner(*nodes[parent][:2])
             _arrow(ax, (px + w * 0.8, py + 0.31), (x, y + 0.31), gid="chain")
     for row, col, parent, tokens in partial:
         x, y = corner(row, col)
-        _box(ax, x, y, w * 0.8, 0.62, f"{' '.join(map(str, tokens))}\nno key", gid="partial",
+        _box(ax, x, y, w * 0.8, 0.62, f"{show(tokens)}\nno key", gid="partial",
              linestyle="--")
     for row in range(len(prompts)):
         ax.text(0.2, len(prompts) - 1 - row + 0.88, f"prompt {row}", fontsize=FONT,
@@ -249,7 +257,10 @@ def state_machine(states: Sequence[str], edges: Mapping[tuple[str, str], str]) -
         rad = 0.35 if back else 0.0
         dx, dy = x1 - x0, y1 - y0
         # leave and enter the boxes at their sides (horizontal edges) or ends (vertical ones)
-        sx, sy = (0.9 * math.copysign(1, dx), 0) if abs(dx) > abs(dy) else (0, 0.3 * math.copysign(1, dy))
+        if abs(dx) > abs(dy):
+            sx, sy = 0.9 * math.copysign(1, dx), 0
+        else:
+            sx, sy = 0, 0.3 * math.copysign(1, dy)
         start, end = (x0 + sx, y0 + sy), (x1 - sx, y1 - sy)
         _arrow(ax, start, end, gid="transition", rad=rad)
         mx, my = (start[0] + end[0]) / 2, (start[1] + end[1]) / 2
@@ -307,7 +318,8 @@ def kv_heads(models: Sequence, max_heads: int = 32) -> Figure:
         length = 4.2 * values / max(per_layer)
         bar = Rectangle((5.4, y + 0.1), length, 0.4, facecolor="#3b75af", gid="cache_bar")
         ax.add_patch(bar)
-        ax.text(5.4 + length + 0.08 if length < 2.6 else 5.45, y + 0.3 if length < 2.6 else y + 0.72,
+        beside = length < 2.6  # the label beside a short bar, above a long one
+        ax.text(5.4 + length + 0.08 if beside else 5.45, y + 0.3 if beside else y + 0.72,
                 f"{values:,} values per token and layer", fontsize=FONT, va="center")
     return fig
 
@@ -332,7 +344,7 @@ def traffic_bars(loads: Mapping[str, Mapping[str, int]], unit: int = 1024,
     ax.invert_yaxis()
     ax.set_xlabel(f"bytes loaded ({unit_name})", fontsize=FONT + 1)
     ax.tick_params(labelsize=FONT)
-    ax.legend(fontsize=FONT, ncols=len(tensors), loc="lower center", bbox_to_anchor=(0.5, 1.0),
-              frameon=False)
+    ax.legend(fontsize=FONT, ncols=min(len(tensors), 4), loc="lower center",
+              bbox_to_anchor=(0.5, 1.0), frameon=False)
     fig.tight_layout()
     return fig
