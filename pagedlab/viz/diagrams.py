@@ -205,7 +205,7 @@ def hash_chain(prompts: Sequence[Sequence[int]], block_size: int,
             key = block_key(parent, tokens)
             nodes.setdefault(key, (row, j // block_size, parent, tokens))
             parent = key
-    columns = max(len(p) for p in prompts) // block_size + 1
+    columns = max(-(-len(p) // block_size) for p in prompts)
     w = 9.6 / columns
     fig, ax = _canvas(1.0 + 0.85 * len(prompts), (0, 10), (-0.7, len(prompts)))
 
@@ -214,14 +214,14 @@ def hash_chain(prompts: Sequence[Sequence[int]], block_size: int,
 
     for key, (row, col, parent, tokens) in nodes.items():
         x, y = corner(row, col)
-        _box(ax, x, y, w * 0.8, 0.62, f"{show(tokens)}\n#{key & 0xffff:04x}",
+        _box(ax, x, y, w * 0.92, 0.62, f"{show(tokens)}\n#{key & 0xffff:04x}",
              gid="block", fill="#d0e2f3")
         if parent is not None:
             px, py = corner(*nodes[parent][:2])
-            _arrow(ax, (px + w * 0.8, py + 0.31), (x, y + 0.31), gid="chain")
+            _arrow(ax, (px + w * 0.92, py + 0.31), (x, y + 0.31), gid="chain")
     for row, col, parent, tokens in partial:
         x, y = corner(row, col)
-        _box(ax, x, y, w * 0.8, 0.62, f"{show(tokens)}\nno key", gid="partial",
+        _box(ax, x, y, w * 0.92, 0.62, f"{show(tokens)}\nno key", gid="partial",
              linestyle="--")
     for row in range(len(prompts)):
         ax.text(0.2, len(prompts) - 1 - row + 0.88, f"prompt {row}", fontsize=FONT,
@@ -234,8 +234,9 @@ def hash_chain(prompts: Sequence[Sequence[int]], block_size: int,
 
 # --- Chapter 6: the scheduler's request states ----------------------------------------------
 
-_STATE_XY = {"WAITING": (1.6, 2.2), "RUNNING": (5.0, 2.2), "SWAPPED": (5.0, 0.4),
-             "FINISHED": (8.4, 2.2)}
+_STATE_XY = {"WAITING": (1.2, 2.2), "RUNNING": (5.0, 2.2), "SWAPPED": (5.0, 0.4),
+             "FINISHED": (8.8, 2.2)}
+_HALF_W, _HALF_H = 0.8, 0.3  # half a state box
 
 
 def state_machine(states: Sequence[str], edges: Mapping[tuple[str, str], str]) -> Figure:
@@ -249,8 +250,8 @@ def state_machine(states: Sequence[str], edges: Mapping[tuple[str, str], str]) -
     for i, state in enumerate(states):
         x, y = _STATE_XY.get(state, (1.6 + 2.5 * i, -0.4))
         where[state] = (x, y)
-        _box(ax, x - 0.9, y - 0.3, 1.8, 0.6, state.lower(), gid="state", fill="#d0e2f3",
-             size=FONT + 1)
+        _box(ax, x - _HALF_W, y - _HALF_H, 2 * _HALF_W, 2 * _HALF_H, state.lower(), gid="state",
+             fill="#d0e2f3", size=FONT + 1)
     for (src, dst), label in edges.items():
         (x0, y0), (x1, y1) = where[src], where[dst]
         back = (dst, src) in edges
@@ -258,9 +259,9 @@ def state_machine(states: Sequence[str], edges: Mapping[tuple[str, str], str]) -
         dx, dy = x1 - x0, y1 - y0
         # leave and enter the boxes at their sides (horizontal edges) or ends (vertical ones)
         if abs(dx) > abs(dy):
-            sx, sy = 0.9 * math.copysign(1, dx), 0
+            sx, sy = _HALF_W * math.copysign(1, dx), 0
         else:
-            sx, sy = 0, 0.3 * math.copysign(1, dy)
+            sx, sy = 0, _HALF_H * math.copysign(1, dy)
         start, end = (x0 + sx, y0 + sy), (x1 - sx, y1 - sy)
         _arrow(ax, start, end, gid="transition", rad=rad)
         mx, my = (start[0] + end[0]) / 2, (start[1] + end[1]) / 2
@@ -269,8 +270,9 @@ def state_machine(states: Sequence[str], edges: Mapping[tuple[str, str], str]) -
         if abs(dx) > abs(dy):
             nx, ny = 0, (0.45 if back else 0.2) * side * (1 if dx > 0 else -1)
         else:
-            nx, ny = (0.9 if back else 0.6) * side * (1 if dy < 0 else -1), 0
-        ax.text(mx + nx, my + ny, label, ha="center", va="center", fontsize=FONT,
+            nx, ny = (0.3 if back else 0.15) * side * (1 if dy < 0 else -1), 0
+        ha = "center" if nx == 0 else ("left" if nx > 0 else "right")
+        ax.text(mx + nx, my + ny, label, ha=ha, va="center", fontsize=FONT,
                 gid="transition_label")
     return fig
 
