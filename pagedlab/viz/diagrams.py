@@ -71,21 +71,22 @@ def cache_layout(cache) -> Figure:
     bytes) between its cells, read from ``cache.stride()``. A ``meta`` tensor will do.
     """
     names = ("block", "slot", "head", "value")
-    titles = ("cache: blocks", "a block: token slots", "a slot: KV heads",
-              "a KV head: values")
+    titles = ("cache: {:,} blocks", "a block: {:,} token slots", "a slot: {:,} KV heads",
+              "a KV head: {:,} values")
     shape, strides, size = tuple(cache.shape), cache.stride(), cache.element_size()
-    fig, ax = _canvas(3.9, (0, 10), (-0.3, 4.4))
-    left, right = 3.1, 9.9
+    fig, ax = _canvas(3.9, (0, 10), (-0.5, 4.4))
+    left, right = 3.4, 9.9
     zoom = (None, None)
     for tier, (name, n, stride) in enumerate(zip(names, shape, strides)):
         y = 3.6 - tier * 1.2
         drawn = min(n, MAX_CELLS)
         w = (right - left) / drawn
         for i in range(drawn):
-            label = str(i) if drawn == n or i < drawn - 1 else f"…{n - 1}"
+            label = str(i) if drawn == n or i < drawn - 1 else "…"  # the rest, elided
             _box(ax, left + i * w, y, w, 0.5, label if w > 0.3 else "", gid=name,
                  fill="#d0e2f3" if i == 1 % n else "#ffffff")
-        ax.text(0, y + 0.38, titles[tier], fontsize=FONT + 1, weight="bold", va="center")
+        ax.text(0, y + 0.38, titles[tier].format(n), fontsize=FONT + 1, weight="bold",
+                va="center")
         unit = f"{stride * size:,} B" if stride * size < 1024 else f"{stride * size / 1024:g} KiB"
         ax.text(0, y + 0.05, f"stride {stride:,} el. = {unit}", fontsize=FONT, va="center",
                 gid=f"stride{tier}")
@@ -93,7 +94,7 @@ def cache_layout(cache) -> Figure:
             for xa, xb in ((zoom[0], left), (zoom[1], right)):
                 ax.plot([xa, xb], [y + 1.2, y + 0.5], color="#999999", lw=0.8)
         zoom = (left + (1 % n) * w, left + (1 % n + 1) * w)
-    ax.text(0, -0.25, f"shape {list(shape)}, {size} bytes per value; each shaded cell is "
+    ax.text(0, -0.4, f"shape {list(shape)}, {size} bytes per value; each shaded cell is "
             "opened up in the tier below it", fontsize=FONT, color="#555555")
     return fig
 
