@@ -81,3 +81,29 @@ def test_built_chapter_has_outputs_and_a_colab_button_to_its_notebook(chapter):
     links = set(re.findall(r"colab\.research\.google\.com/github/[^/]+/[^/]+/blob/[^/]+/([^\"]+)", html))
     assert links == {f"book/{chapter.stem}.ipynb"}
     assert 'class="output' in html, "no executed output in the built chapter"
+
+
+def glossary_terms() -> set[str]:
+    """The terms the glossary page defines: the unindented lines of its {glossary} block."""
+    text = (ROOT / "book" / "glossary.md").read_text()
+    block = text.split("```{glossary}", 1)[1].split("\n```", 1)[0]
+    return {line.strip().lower() for line in block.splitlines()
+            if line.strip() and not line.startswith((" ", ":"))}
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS, ids=lambda p: p.stem)
+def test_chapter_opens_with_objectives_linking_notation_and_glossary(chapter):
+    first = jupytext.read(chapter).cells[0]
+    assert first.cell_type == "markdown" and "admonition} In this chapter" in first.source
+    assert "You will learn" in first.source and "It assumes" in first.source
+    assert "{ref}`notation`" in first.source and "{ref}`glossary`" in first.source
+
+
+def test_every_term_a_page_uses_is_in_the_glossary():
+    terms = glossary_terms()
+    assert {"slot", "program", "split", "watermark", "parked block", "sequence group",
+            "block table", "copy-on-write", "prefix cache"} <= terms
+    used = {re.sub(r".*<(.*)>", r"\1", t).strip().lower()
+            for p in (ROOT / "book").glob("*.md")
+            for t in re.findall(r"\{term\}`([^`]+)`", p.read_text())}
+    assert used and used <= terms, used - terms

@@ -1,0 +1,353 @@
+"""Explanatory diagrams the chapters draw from their own data (chapters 5, 6, 7 and 10).
+
+Each function takes what the chapter computed (a cache tensor, a block table, log-sum-exps,
+prompts, a run's transition counts, model presets) and returns a matplotlib figure about 7
+inches wide, the book's page width, with fonts of at least 9 points. The artists that stand for
+the things counted (blocks, programs, splits, states, ...) carry a ``gid``, so a test can check
+that the picture shows what the data says (:func:`artists`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
+from matplotlib.patches import FancyArrowPatch, Rectangle
+
+from pagedlab.footprint import get_model, kv_bytes_per_token
+from pagedlab.memory.prefix_cache import block_key
+
+__all__ = [
+    "artists", "cache_layout", "decode_grid", "split_ranges", "split_merge", "hash_chain",
+    "state_machine", "kv_heads", "traffic_bars",
+]
+
+WIDTH = 7.0  # inches: the page width
+FONT = 9  # the smallest font on any diagram, in points
+COLORS = ["#3b75af", "#e8590c", "#2ca02c", "#9467bd", "#8c564b", "#d62728", "#138d9c", "#8a8b10"]
+MAX_CELLS = 16  # a tier of the cache layout draws at most this many cells
+
+
+def artists(fig: Figure, gid: str) -> list:
+    """The artists of ``fig`` tagged ``gid``."""
+    return [a for a in fig.findobj() if a.get_gid() == gid]
+
+
+def _canvas(height: float, xlim: tuple[float, float], ylim: tuple[float, float]):
+    fig, ax = plt.subplots(figsize=(WIDTH, height))
+    ax.set(xlim=xlim, ylim=ylim)
+    ax.axis("off")
+    return fig, ax
+
+
+def _box(ax, x, y, w, h, text="", gid=None, fill="#ffffff", edge="#444444", size=FONT, **kw):
+    """A rectangle with centred text; returns the rectangle."""
+    rect = Rectangle((x, y), w, h, facecolor=fill, edgecolor=edge, lw=1, **kw)
+    rect.set_gid(gid)
+    ax.add_patch(rect)
+    if text:
+        ax.text(x + w / 2, y + h / 2, text, ha="center", va="center", fontsize=size)
+    return rect
+
+
+def _arrow(ax, start, end, gid=None, rad=0.0, color="#444444", lw=1.2):
+    arrow = FancyArrowPatch(start, end, arrowstyle="-|>", mutation_scale=12, color=color, lw=lw,
+                            connectionstyle=f"arc3,rad={rad}", shrinkA=2, shrinkB=2)
+    arrow.set_gid(gid)
+    ax.add_patch(arrow)
+    return arrow
+
+
+# --- Chapter 7: the cache layout ------------------------------------------------------------
+
+
+def cache_layout(cache) -> Figure:
+    """One layer's cache ``[num_blocks, block_size, num_kv_heads, head_dim]`` as memory.
+
+    Four tiers, each a zoom into one cell of the tier above: the blocks, one block's token
+    slots, one slot's KV heads, one head's values, each labelled with the stride (elements and
+    bytes) between its cells, read from ``cache.stride()``. A ``meta`` tensor will do.
+    """
+    names = ("block", "slot", "head", "value")
+    titles = ("cache: {:,} blocks", "a block: {:,} token slots", "a slot: {:,} KV heads",
+              "a KV head: {:,} values")
+    shape, strides, size = tuple(cache.shape), cache.stride(), cache.element_size()
+    fig, ax = _canvas(3.9, (0, 10), (-0.5, 4.4))
+    left, right = 3.4, 9.9
+    zoom = (None, None)
+    for tier, (name, n, stride) in enumerate(zip(names, shape, strides)):
+        y = 3.6 - tier * 1.2
+        drawn = min(n, MAX_CELLS)
+        w = (right - left) / drawn
+        for i in range(drawn):
+            label = str(i) if drawn == n or i < drawn - 1 else "…"  # the rest, elided
+            _box(ax, left + i * w, y, w, 0.5, label if w > 0.3 else "", gid=name,
+                 fill="#d0e2f3" if i == 1 % n else "#ffffff")
+        ax.text(0, y + 0.38, titles[tier].format(n), fontsize=FONT + 1, weight="bold",
+                va="center")
+        unit = f"{stride * size:,} B" if stride * size < 1024 else f"{stride * size / 1024:g} KiB"
+        ax.text(0, y + 0.05, f"stride {stride:,} el. = {unit}", fontsize=FONT, va="center",
+                gid=f"stride{tier}")
+        if zoom[0] is not None:  # lines from the zoomed cell above to this tier's ends
+            for xa, xb in ((zoom[0], left), (zoom[1], right)):
+                ax.plot([xa, xb], [y + 1.2, y + 0.5], color="#999999", lw=0.8)
+        zoom = (left + (1 % n) * w, left + (1 % n + 1) * w)
+    ax.text(0, -0.4, f"shape {list(shape)}, {size} bytes per value; each shaded cell is "
+            "opened up in the tier below it", fontsize=FONT, color="#555555")
+    return fig
+
+
+# --- Chapter 7: the decode grid and split-KV ------------------------------------------------
+
+
+def split_ranges(seq_len: int, num_splits: int, tile: int) -> list[tuple[int, int]]:
+    """Token range [start, end) of each split, as the decode kernel computes it: an equal share
+    of ``seq_len`` rounded up to whole tiles; a split past the end is empty (start >= end)."""
+    split_len = -(-(-(-seq_len // num_splits)) // tile) * tile
+    return [(k * split_len, min((k + 1) * split_len, seq_len)) for k in range(num_splits)]
+
+
+def decode_grid(seq_lens: Sequence[int], block_tables, block_size: int, num_kv_heads: int,
+                num_splits: int, tile: int) -> Figure:
+    """The decode kernel's grid (sequence x KV head x split) over the sequences' blocks.
+
+    One row per (sequence, KV head); along it the sequence's logical blocks, each naming its
+    physical block from ``block_tables``, and below them the programs of the row's splits, each
+    cut into the tiles its loop visits. A tile's tokens may span several blocks, or part of one.
+    """
+    rows = [(s, h) for s in range(len(seq_lens)) for h in range(num_kv_heads)]
+    coords = "seq, KV head, split" if num_splits > 1 else "seq, KV head"
+    longest = max(seq_lens)
+    fig, ax = _canvas(0.9 + 0.62 * len(rows), (-0.2 * longest, longest * 1.16),
+                      (-0.9, len(rows) * 1.0))
+    for r, (s, h) in enumerate(rows):
+        y = (len(rows) - 1 - r) * 1.0
+        ax.text(-0.02 * longest, y + 0.45, f"seq {s}, KV head {h}", ha="right", va="center",
+                fontsize=FONT)
+        for j in range(-(-seq_lens[s] // block_size)):
+            end = min((j + 1) * block_size, seq_lens[s])
+            label = str(int(block_tables[s][j])) if 2 * (end - j * block_size) >= block_size else ""
+            _box(ax, j * block_size, y + 0.45, end - j * block_size, 0.4, label, gid="block",
+                 fill="#f2f2f2")
+        for k, (start, end) in enumerate(split_ranges(seq_lens[s], num_splits, tile)):
+            color = COLORS[k % len(COLORS)]
+            if start >= end:  # an empty split: a program that loads nothing
+                ax.text(seq_lens[s] + 0.01 * longest, y + 0.215, f"({s},{h},{k}) empty",
+                        va="center", fontsize=FONT, color=color, gid="program")
+                continue
+            prog = Rectangle((start, y + 0.05), end - start, 0.33, facecolor=color, alpha=0.25,
+                             edgecolor=color, lw=1.2, gid="program")
+            ax.add_patch(prog)
+            for t in range(start, end, tile):
+                _box(ax, t, y + 0.05, min(t + tile, end) - t, 0.1, gid="tile", fill=color,
+                     edge="#ffffff")
+            label = f"({s},{h},{k})" if num_splits > 1 else f"({s},{h})"
+            if end - start >= 0.1 * longest:  # room for the label
+                ax.text((start + end) / 2, y + 0.27, label, ha="center", va="center",
+                        fontsize=FONT, color="#222222")
+    ax.text(-0.2 * longest, -0.5, f"grey: logical blocks of {block_size} tokens, each naming "
+            f"its physical block\ncoloured: the programs ({coords}), cut into tiles of {tile} "
+            "tokens", fontsize=FONT, color="#555555", va="center")
+    return fig
+
+
+def split_merge(ranges: Sequence[tuple[int, int]], lse: Sequence[float]) -> Figure:
+    """The split-KV merge: each split's log-sum-exp, and the weight its output gets.
+
+    Split ``k`` covers tokens ``ranges[k]`` and reports ``lse[k]`` (``-inf`` if empty); the
+    merge weighs its normalised output by ``exp(lse[k] - lse_total)``; the weights sum to 1.
+    """
+    finite = [x for x in lse if x != -math.inf]
+    top = max(finite)
+    total = top + math.log(sum(math.exp(x - top) for x in finite))
+    weights = [0.0 if x == -math.inf else math.exp(x - total) for x in lse]
+    n = len(lse)
+    fig, ax = _canvas(0.9 + 0.55 * n, (0, 10), (-0.3, n))
+    merge_y = n / 2 - 0.45
+    _box(ax, 6.6, merge_y, 3.3, 0.9, f"merge\nlse = {total:.2f}\nout = Σ w·out_k", gid="merge",
+         fill="#fff1c2")
+    for k, ((start, end), x, w) in enumerate(zip(ranges, lse, weights)):
+        y = n - 1 - k + 0.1
+        text = (f"split {k}: tokens {start}–{end - 1}\nlse = {x:.2f}" if end > start
+                else f"split {k}: empty\nlse = −inf")
+        _box(ax, 0.1, y, 3.0, 0.75, text, gid="split", fill="#d0e2f3")
+        _arrow(ax, (3.1, y + 0.37), (6.6, merge_y + 0.45), lw=0.6 + 5 * w, color="#3b75af")
+        ax.text(3.3, y + 0.37 + 0.1 * (merge_y + 0.08 - y) + 0.15, f"w = {w:.2f}",
+                fontsize=FONT, gid="weight", va="center")
+    return fig
+
+
+# --- Chapter 5: the prefix cache's hash chain -----------------------------------------------
+
+
+def hash_chain(prompts: Sequence[Sequence[int]], block_size: int,
+               words: Mapping[int, str] | None = None) -> Figure:
+    """The prefix cache's keys for ``prompts``: full blocks chained by ``block_key``.
+
+    A block's key hashes its parent's key with its own tokens, so equal keys mean equal
+    prefixes: blocks that several prompts share are drawn once, and the chains form a tree.
+    A partial last block has no key (it is never cached) and is drawn dashed. ``words`` maps
+    token ids to the text shown; by default the ids are.
+    """
+    def show(tokens):
+        return " ".join(words[t] if words else str(t) for t in tokens)
+
+    nodes: dict[int, tuple] = {}  # key -> (row, column, parent key, tokens)
+    partial = []
+    for row, prompt in enumerate(prompts):
+        parent = None
+        for j in range(0, len(prompt), block_size):
+            tokens = tuple(prompt[j:j + block_size])
+            if len(tokens) < block_size:
+                partial.append((row, j // block_size, parent, tokens))
+                break
+            key = block_key(parent, tokens)
+            nodes.setdefault(key, (row, j // block_size, parent, tokens))
+            parent = key
+    columns = max(-(-len(p) // block_size) for p in prompts)
+    w = 9.6 / columns
+    fig, ax = _canvas(1.0 + 0.85 * len(prompts), (0, 10), (-0.7, len(prompts)))
+
+    def corner(row, col):
+        return 0.2 + col * w, len(prompts) - 1 - row + 0.15
+
+    for key, (row, col, parent, tokens) in nodes.items():
+        x, y = corner(row, col)
+        _box(ax, x, y, w * 0.92, 0.62, f"{show(tokens)}\n#{key & 0xffff:04x}",
+             gid="block", fill="#d0e2f3")
+        if parent is not None:
+            px, py = corner(*nodes[parent][:2])
+            _arrow(ax, (px + w * 0.92, py + 0.31), (x, y + 0.31), gid="chain")
+    for row, col, parent, tokens in partial:
+        x, y = corner(row, col)
+        _box(ax, x, y, w * 0.92, 0.62, f"{show(tokens)}\nno key", gid="partial",
+             linestyle="--")
+    for row in range(len(prompts)):
+        ax.text(0.2, len(prompts) - 1 - row + 0.88, f"prompt {row}", fontsize=FONT,
+                color="#555555")
+    ax.text(0.2, -0.3, "#key: block_key(parent's key, tokens), last 4 hex digits\n"
+            "arrow: from a block to the next block of its chain", fontsize=FONT,
+            color="#555555", va="center")
+    return fig
+
+
+# --- Chapter 6: the scheduler's request states ----------------------------------------------
+
+_STATE_XY = {"WAITING": (1.2, 2.2), "RUNNING": (5.0, 2.2), "SWAPPED": (5.0, 0.4),
+             "FINISHED": (8.8, 2.2)}
+_HALF_W, _HALF_H = 0.8, 0.3  # half a state box
+
+
+def state_machine(states: Sequence[str], edges: Mapping[tuple[str, str], str]) -> Figure:
+    """States as boxes and ``edges`` ``{(from, to): label}`` as labelled arrows.
+
+    The four states of :class:`~pagedlab.engine.sequence.GroupStatus` have fixed places; any
+    other state goes on a row below them.
+    """
+    fig, ax = _canvas(3.0, (0, 10), (-0.6, 3.2))
+    where = {}
+    for i, state in enumerate(states):
+        x, y = _STATE_XY.get(state, (1.6 + 2.5 * i, -0.4))
+        where[state] = (x, y)
+        _box(ax, x - _HALF_W, y - _HALF_H, 2 * _HALF_W, 2 * _HALF_H, state.lower(), gid="state",
+             fill="#d0e2f3", size=FONT + 1)
+    for (src, dst), label in edges.items():
+        (x0, y0), (x1, y1) = where[src], where[dst]
+        back = (dst, src) in edges
+        rad = 0.35 if back else 0.0
+        dx, dy = x1 - x0, y1 - y0
+        # leave and enter the boxes at their sides (horizontal edges) or ends (vertical ones)
+        if abs(dx) > abs(dy):
+            sx, sy = _HALF_W * math.copysign(1, dx), 0
+        else:
+            sx, sy = 0, _HALF_H * math.copysign(1, dy)
+        start, end = (x0 + sx, y0 + sy), (x1 - sx, y1 - sy)
+        _arrow(ax, start, end, gid="transition", rad=rad)
+        mx, my = (start[0] + end[0]) / 2, (start[1] + end[1]) / 2
+        # a curved arrow bulges to the right of its direction of travel: label it there
+        side = -1 if back else 1
+        if abs(dx) > abs(dy):
+            nx, ny = 0, (0.45 if back else 0.2) * side * (1 if dx > 0 else -1)
+        else:
+            nx, ny = (0.3 if back else 0.15) * side * (1 if dy < 0 else -1), 0
+        ha = "center" if nx == 0 else ("left" if nx > 0 else "right")
+        ax.text(mx + nx, my + ny, label, ha=ha, va="center", fontsize=FONT,
+                gid="transition_label")
+    return fig
+
+
+# --- Chapters 1 and 10: what one token caches per layer -------------------------------------
+
+
+def kv_heads(models: Sequence, max_heads: int = 32) -> Figure:
+    """Query heads and what they read from the cache, for MHA, GQA, MQA and MLA models.
+
+    Left: each model's query heads (at most ``max_heads`` drawn, a proportional share of its
+    KV heads with them) joined to the KV heads they read, or, for MLA, to the one latent all
+    heads share. Right: a bar to scale of the values one token caches per layer.
+    """
+    models = [get_model(m) for m in models]
+    per_layer = [kv_bytes_per_token(m, "fp16") // (2 * m.n_layers) for m in models]  # values
+    fig, ax = _canvas(0.5 + 1.05 * len(models), (0, 10), (-0.2, len(models) * 1.05))
+    for r, (m, values) in enumerate(zip(models, per_layer)):
+        y = (len(models) - 1 - r) * 1.05
+        shown = min(m.n_heads, max_heads)
+        hw = 4.6 / shown
+        drawn = f", {shown} drawn" if shown < m.n_heads else ""
+        ax.text(0.0, y + 0.92, f"{m.name} ({m.attention.upper()}, {m.n_heads} query heads{drawn})",
+                fontsize=FONT, weight="bold", va="center")
+        for i in range(shown):
+            _box(ax, 0.2 + i * hw, y + 0.5, hw * 0.8, 0.22, gid="query_head", fill="#d0e2f3",
+                 edge="#3b75af")
+        if m.attention == "mla":
+            c = m.kv_lora_rank / (m.kv_lora_rank + m.qk_rope_head_dim)
+            _box(ax, 0.2, y + 0.02, 4.6 * c - 0.05, 0.26, f"latent c ({m.kv_lora_rank})",
+                 gid="latent", fill="#fff1c2")
+            _box(ax, 0.2 + 4.6 * c, y + 0.02, 4.6 * (1 - c), 0.26, "kᴿ", gid="latent",
+                 fill="#fff1c2", size=FONT)
+            for i in range(shown):
+                ax.plot([0.2 + (i + 0.4) * hw] * 2, [y + 0.5, y + 0.28], color="#bbbbbb", lw=0.6)
+        else:
+            kv = max(1, m.n_kv_heads * shown // m.n_heads)
+            kw = 4.6 / kv
+            for g in range(kv):
+                _box(ax, 0.2 + g * kw, y + 0.02, kw * 0.9, 0.26, "K V" if kw > 0.5 else "",
+                     gid="kv_head", fill="#fde0cf", edge="#e8590c")
+                for i in range(g * shown // kv, (g + 1) * shown // kv):
+                    ax.plot([0.2 + (i + 0.4) * hw, 0.2 + (g + 0.45) * kw], [y + 0.5, y + 0.28],
+                            color="#bbbbbb", lw=0.6)
+        length = 4.2 * values / max(per_layer)
+        bar = Rectangle((5.4, y + 0.1), length, 0.4, facecolor="#3b75af", gid="cache_bar")
+        ax.add_patch(bar)
+        beside = length < 2.6  # the label beside a short bar, above a long one
+        ax.text(5.4 + length + 0.08 if beside else 5.45, y + 0.3 if beside else y + 0.72,
+                f"{values:,} values per token and layer", fontsize=FONT, va="center")
+    return fig
+
+
+# --- Chapter 10: bytes per tensor -----------------------------------------------------------
+
+
+def traffic_bars(loads: Mapping[str, Mapping[str, int]], unit: int = 1024,
+                 unit_name: str = "KiB") -> Figure:
+    """Stacked horizontal bars: bytes each kernel (row) loads from each tensor (segment)."""
+    tensors = list(dict.fromkeys(t for per in loads.values() for t in per))
+    fig, ax = plt.subplots(figsize=(WIDTH, 0.8 + 0.55 * len(loads)))
+    for r, (kernel, per) in enumerate(loads.items()):
+        left = 0.0
+        for i, tensor in enumerate(tensors):
+            width = per.get(tensor, 0) / unit
+            bars = ax.barh(r, width, left=left, color=COLORS[i % len(COLORS)],
+                           label=tensor if r == 0 else None)
+            bars.patches[0].set_gid("segment")
+            left += width
+    ax.set_yticks(range(len(loads)), list(loads), fontsize=FONT + 1)
+    ax.invert_yaxis()
+    ax.set_xlabel(f"bytes loaded ({unit_name})", fontsize=FONT + 1)
+    ax.tick_params(labelsize=FONT)
+    ax.legend(fontsize=FONT, ncols=min(len(tensors), 4), loc="lower center",
+              bbox_to_anchor=(0.5, 1.0), frameon=False)
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,129 @@
+"""The chapters' diagrams show what their data says: as many blocks, programs, tiles, splits,
+states and heads as the inputs hold, labelled with the inputs' own numbers."""
+
+import dataclasses
+import math
+
+import matplotlib
+import pytest
+import torch
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from pagedlab.engine.sequence import GroupStatus  # noqa: E402
+from pagedlab.footprint import get_model, kv_bytes_per_token  # noqa: E402
+from pagedlab.viz import diagrams as D  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def close_figures():
+    yield
+    plt.close("all")
+
+
+def texts(fig, gid=None):
+    return [t.get_text() for t in fig.findobj(matplotlib.text.Text)
+            if gid is None or t.get_gid() == gid]
+
+
+def test_cache_layout_draws_each_dimension_and_its_stride():
+    cache = torch.empty(1024, 16, 8, 128, dtype=torch.bfloat16, device="meta")
+    fig = D.cache_layout(cache)
+    for gid, n in zip(("block", "slot", "head", "value"), cache.shape):
+        assert len(D.artists(fig, gid)) == min(n, D.MAX_CELLS), gid
+    for tier, stride in enumerate(cache.stride()):
+        (label,) = texts(fig, f"stride{tier}")
+        assert f"stride {stride:,} el." in label
+    assert "32 KiB" in texts(fig, "stride0")[0]  # 16 * 8 * 128 values of 2 bytes
+    assert fig.get_size_inches()[0] == pytest.approx(7)
+
+
+@pytest.mark.parametrize("seq_len,num_splits,tile", [(1, 4, 32), (100, 3, 32), (64, 2, 32),
+                                                      (300, 8, 16), (33, 1, 32)])
+def test_split_ranges_partition_the_tokens_on_tile_boundaries(seq_len, num_splits, tile):
+    ranges = D.split_ranges(seq_len, num_splits, tile)
+    assert len(ranges) == num_splits
+    covered = [t for start, end in ranges for t in range(start, end)]
+    assert covered == list(range(seq_len))  # in order, each token once
+    assert all(start % tile == 0 for start, _ in ranges)
+    # every non-empty split but the last holds the same whole number of tiles
+    lengths = [end - start for start, end in ranges if end > start]
+    assert len(set(lengths[:-1])) <= 1 and lengths[0] >= lengths[-1]
+
+
+def test_decode_grid_draws_every_program_tile_and_block_of_the_table():
+    seq_lens, block_size, heads, splits, tile = [40, 100, 9], 16, 2, 2, 32
+    tables = [[3, 7, 1, 0, 0, 0, 0], [5, 2, 9, 4, 11, 6, 8], [10, 0, 0, 0, 0, 0, 0]]
+    fig = D.decode_grid(seq_lens, tables, block_size, heads, splits, tile)
+    assert len(D.artists(fig, "program")) == len(seq_lens) * heads * splits
+    blocks = D.artists(fig, "block")
+    used = [tables[s][j] for s, n in enumerate(seq_lens) for j in range(-(-n // block_size))]
+    assert len(blocks) == heads * len(used)
+    tiles = sum(-(-(end - start) // tile) for n in seq_lens
+                for start, end in D.split_ranges(n, splits, tile) if end > start)
+    assert len(D.artists(fig, "tile")) == heads * tiles
+    assert sum(r.get_width() for r in D.artists(fig, "tile")) == heads * sum(seq_lens)
+    # each block at least half full is labelled with its physical id from the table
+    labelled = [tables[s][j] for s, n in enumerate(seq_lens) for j in range(-(-n // block_size))
+                if 2 * min(block_size, n - j * block_size) >= block_size]
+    assert sorted(int(t) for t in texts(fig) if t.isdigit()) == sorted(heads * labelled)
+
+
+def test_split_merge_weights_are_the_softmax_of_the_log_sum_exps():
+    lse = [3.1, 4.2, 2.0, -math.inf]
+    fig = D.split_merge([(0, 64), (64, 128), (128, 150), (150, 150)], lse)
+    assert len(D.artists(fig, "split")) == len(lse)
+    weights = [float(t.split("=")[1]) for t in texts(fig, "weight")]
+    expected = torch.softmax(torch.tensor(lse), 0).tolist()
+    assert weights == pytest.approx(expected, abs=0.005)
+    assert weights[-1] == 0.0
+    total = torch.logsumexp(torch.tensor(lse), 0).item()
+    assert f"lse = {total:.2f}" in next(t for t in texts(fig) if t.startswith("merge"))
+
+
+def test_hash_chain_draws_each_distinct_prefix_block_once():
+    # the last prompt's second block holds the first prompt's first tokens, after another prefix
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 5, 6, 9, 9, 1, 2],
+               [1, 2, 3, 4, 7, 7, 7, 7], [7, 7, 7, 1, 2, 3]]
+    bs = 3
+    fig = D.hash_chain(prompts, bs)
+    prefixes = {tuple(p[:k]) for p in prompts for k in range(bs, len(p) + 1, bs)}
+    assert len(D.artists(fig, "block")) == len(prefixes)  # shared prefixes drawn once
+    assert len(D.artists(fig, "partial")) == sum(len(p) % bs > 0 for p in prompts)
+    # every block but a chain's first has an arrow from its parent
+    assert len(D.artists(fig, "chain")) == len(prefixes) - len({tuple(p[:bs]) for p in prompts})
+    # each block is labelled with its own tokens
+    drawn = sorted(t.split("\n")[0] for t in texts(fig) if "\n#" in t)
+    assert drawn == sorted(" ".join(map(str, p[-bs:])) for p in prefixes)
+
+
+def test_state_machine_draws_every_state_and_labelled_transition():
+    states = [s.name for s in GroupStatus]
+    edges = {("WAITING", "RUNNING"): "admit ×3", ("RUNNING", "WAITING"): "recompute ×1",
+             ("RUNNING", "FINISHED"): "finish ×2"}
+    fig = D.state_machine(states, edges)
+    assert sorted(t for t in texts(fig) if t.upper() in states) == sorted(s.lower() for s in states)
+    assert len(D.artists(fig, "state")) == len(states)
+    assert len(D.artists(fig, "transition")) == len(edges)
+    assert sorted(texts(fig, "transition_label")) == sorted(edges.values())
+
+
+def test_kv_heads_bars_scale_with_the_values_a_token_caches_per_layer():
+    llama2 = get_model("Llama-2-7B")
+    mqa = dataclasses.replace(llama2, name="MQA", n_kv_heads=1, attention="mqa")
+    models = [llama2, get_model("Llama-3-8B"), mqa, get_model("DeepSeek-V3")]
+    fig = D.kv_heads(models)
+    bars = [b.get_width() for b in D.artists(fig, "cache_bar")]
+    per_layer = [kv_bytes_per_token(m) / m.n_layers for m in models]
+    assert [b / bars[0] for b in bars] == pytest.approx([v / per_layer[0] for v in per_layer])
+    assert len(D.artists(fig, "query_head")) == sum(min(m.n_heads, 32) for m in models)
+    assert len(D.artists(fig, "kv_head")) == 32 + 8 + 1  # MHA, GQA-8, MQA; MLA has none
+    assert len(D.artists(fig, "latent")) == 2  # the latent and the RoPE key
+
+
+def test_traffic_bars_segments_are_the_bytes():
+    loads = {"one": {"key": 2048, "value": 2048}, "two": {"key": 4096, "value": 2048, "x": 512}}
+    fig = D.traffic_bars(loads)
+    widths = [r.get_width() for r in D.artists(fig, "segment")]
+    assert widths == [2, 2, 0, 4, 2, 0.5]
