@@ -72,6 +72,7 @@ def smollm2() -> Path:
     work = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
         _convert_gguf(gguf, work)
+        work.chmod(0o755)  # mkdtemp made it private
         try:
             work.rename(target)
         except OSError:  # another process finished first
