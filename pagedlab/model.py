@@ -6,10 +6,12 @@ optional q/k/v biases (Qwen2) and a tied or separate ``lm_head``. Parameter name
 transformers', so a checkpoint loads with ``load_state_dict``.
 
 Attention is where paging enters. Every forward pass first writes the new tokens' keys and
-values into the cache with ``reshape_and_cache``; then each prefill attends over its tokens
-(plus any prefix already cached) with torch's SDPA, and all decodes attend together through
-``paged_attention``. One pass serves a batch that mixes prefills and decodes: the linear
-layers run over all tokens at once, only attention looks at sequences one by one.
+values into the cache with ``reshape_and_cache``; then the prefills attend over their tokens
+(plus any prefix already cached): with the Triton kernels all at once through
+``paged_attention_varlen`` over the paged cache, with the reference ones each with torch's
+dense causal SDPA; and all decodes attend together through ``paged_attention``. One pass
+serves a batch that mixes prefills and decodes: the linear layers run over all tokens at once,
+only attention tells the sequences apart.
 
 ``kernels`` picks the implementation of the cache operations: ``"triton"``
 (:mod:`pagedlab.kernels`) or ``"reference"`` (:mod:`pagedlab.kernels.reference`, plain torch,
@@ -172,6 +174,10 @@ class ForwardBatch:
     prefills: list[Prefill]
     block_tables: Tensor  # int32 [num_decodes, max_blocks]
     seq_lens: Tensor  # int32 [num_decodes]: cached tokens, the decoded one included
+    # The prefills again, as paged_attention_varlen takes them (the Triton path):
+    prefill_start_loc: Tensor | None = None  # int32 [num_prefills + 1]: rows where each starts
+    prefill_lens: Tensor | None = None  # int32 [num_prefills]: cached + new tokens
+    prefill_tables: Tensor | None = None  # int32 [num_prefills, max_blocks]
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -269,17 +275,25 @@ class Attention(nn.Module):
         # only cost a device sync per call (check_values=False keeps the shape checks).
         ops.reshape_and_cache(k, v, key_cache, value_cache, batch.slot_mapping, check_values=False)
         out = torch.empty_like(q)  # [n, num_heads, D]
-        for p in batch.prefills:
-            if p.num_cached:  # the prefix lives only in the cache: read it back with the chunk
-                length = p.num_cached + p.end - p.start
-                keys = gather_kv(key_cache, p.block_table, length)  # [length, num_kv_heads, D]
-                values = gather_kv(value_cache, p.block_table, length)
-                if key_cache.dtype == FP8:  # SDPA needs the query's dtype: widen the prefix
-                    keys, values = (dequantize(t, ops.scale).to(q.dtype) for t in (keys, values))
-            else:
-                keys, values = k[p.start : p.end], v[p.start : p.end]
-            out[p.start : p.end] = prefill_attention(q[p.start : p.end], keys, values, p.num_cached)
         first = batch.num_prefill_tokens
+        if first and hasattr(ops, "paged_attention_varlen"):  # Triton: every prefill, one launch
+            out[:first] = ops.paged_attention_varlen(
+                q[:first], key_cache, value_cache, batch.prefill_tables,
+                batch.prefill_start_loc, batch.prefill_lens, check_values=False,
+            )  # [num_prefill_tokens, num_heads, D]
+        else:  # one dense causal SDPA per prompt
+            for p in batch.prefills:
+                if p.num_cached:  # the prefix lives only in the cache: read it with the chunk
+                    length = p.num_cached + p.end - p.start
+                    keys = gather_kv(key_cache, p.block_table, length)  # [length, kv_heads, D]
+                    values = gather_kv(value_cache, p.block_table, length)
+                    if key_cache.dtype == FP8:  # SDPA needs the query's dtype: widen the prefix
+                        keys, values = (dequantize(t, ops.scale).to(q.dtype)
+                                        for t in (keys, values))
+                else:
+                    keys, values = k[p.start : p.end], v[p.start : p.end]
+                rows = slice(p.start, p.end)
+                out[rows] = prefill_attention(q[rows], keys, values, p.num_cached)
         if first < n:
             out[first:] = ops.paged_attention(
                 q[first:], key_cache, value_cache, batch.block_tables, batch.seq_lens,

@@ -131,15 +131,26 @@ class ModelRunner:
 
     def prepare(self, step: Step, manager: KVCacheManager) -> tuple[ForwardBatch, Tensor]:
         """The step as tensors, and the row of each sequence's last token (its logits)."""
-        ids, positions, slots, prefills = [], [], [], []
+        def tensor(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=self.model.device)
+
+        def padded(tables):  # int32 [len(tables), longest]; block 0 pads, never read
+            width = max(map(len, tables), default=0)
+            return tensor([t + [0] * (width - len(t)) for t in tables], torch.int32).view(
+                len(tables), width)
+
+        ids, positions, slots, starts = [], [], [], []
+        prefill_tables = [manager.block_table(seq.seq_id) for seq, _ in step.prefills]
         for seq, cached in step.prefills:
             n = len(seq)
-            start = len(ids)
+            starts.append(len(ids))
             ids += seq.token_ids[cached:]
             positions += range(cached, n)
             slots += manager.slot_mapping(seq.seq_id, cached, n)
-            table = torch.tensor(manager.block_table(seq.seq_id), dtype=torch.int32)
-            prefills.append(Prefill(start, len(ids), cached, table.to(self.model.device)))
+        starts.append(len(ids))
+        prefill_tables = padded(prefill_tables)
+        prefills = [Prefill(starts[i], starts[i + 1], cached, prefill_tables[i])
+                    for i, (_, cached) in enumerate(step.prefills)]
         tables, lens = [], []
         for seq in step.decodes:
             n = len(seq)
@@ -148,19 +159,16 @@ class ModelRunner:
             slots += manager.slot_mapping(seq.seq_id, n - 1, n)
             tables.append(manager.block_table(seq.seq_id))
             lens.append(n)
-        width = max(map(len, tables), default=0)
-        padded = [t + [0] * (width - len(t)) for t in tables]  # block 0 pads; never read
         last = [p.end - 1 for p in prefills] + list(range(len(ids) - len(lens), len(ids)))
-
-        def tensor(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=self.model.device)
-
         batch = ForwardBatch(
             input_ids=tensor(ids, torch.int64),  # [num_tokens]
             positions=tensor(positions, torch.int64),  # [num_tokens]
             slot_mapping=tensor(slots, torch.int64),  # [num_tokens]
             prefills=prefills,
-            block_tables=tensor(padded, torch.int32).view(len(lens), width),  # [num_decodes, width]
+            block_tables=padded(tables),  # [num_decodes, longest]
             seq_lens=tensor(lens, torch.int32),  # [num_decodes]
+            prefill_start_loc=tensor(starts, torch.int32),  # [num_prefills + 1]
+            prefill_lens=tensor([len(seq) for seq, _ in step.prefills], torch.int32),
+            prefill_tables=prefill_tables,  # [num_prefills, longest]
         )
         return batch, tensor(last, torch.int64)
