@@ -116,18 +116,28 @@ def run_generate(hf, work: Workload, batch_size: int) -> Run:
     return Run(f"transformers generate (batch {batch_size})", seconds, tokens, peak)
 
 
-def run_continuous_batching(hf, work: Workload) -> Run:
-    """transformers' continuous batching manager, each request with its own length; a Run
-    with a note instead of numbers where this transformers lacks it or it fails."""
+def run_continuous_batching(hf, work: Workload, page_size: int = 256) -> Run:
+    """transformers' continuous batching manager, each request with its own length, its paged
+    cache sized to hold the whole workload at once (left to itself it takes 90% of free
+    memory, a CPU's RAM included); a Run with a note instead of numbers where this
+    transformers lacks it or it fails."""
+    pages = sum(-(-(len(p) + n) // page_size) for p, n in zip(work.prompts, work.output_lens))
+    per_token = kv_bytes_per_token(hf.config, hf.dtype)
     try:
         from transformers import GenerationConfig
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
         config = GenerationConfig(do_sample=False, max_new_tokens=max(work.output_lens),
                                   eos_token_id=-1, pad_token_id=0)
+        cb_config = ContinuousBatchingConfig(
+            page_size=page_size, num_blocks=pages,
+            max_batch_tokens=max(2048, max(map(len, work.prompts))),
+        )
         _sync(hf.device)
         start = time.perf_counter()
-        with hf.continuous_batching_context_manager(generation_config=config, block=True,
-                                                    timeout=5) as manager:
+        with hf.continuous_batching_context_manager(
+            generation_config=config, continuous_batching_config=cb_config, block=True, timeout=5
+        ) as manager:
             ids = [manager.add_request(p, max_new_tokens=n, eos_token_id=-1)
                    for p, n in zip(work.prompts, work.output_lens)]
             results = {}
@@ -143,4 +153,5 @@ def run_continuous_batching(hf, work: Workload) -> Run:
     except Exception as error:  # noqa: BLE001  (reported, not hidden: see Run.note)
         return Run("transformers continuous batching", float("nan"), 0, None,
                    note=f"not measured: {type(error).__name__}: {error}"[:200])
-    return Run("transformers continuous batching", seconds, tokens, None)
+    return Run("transformers continuous batching", seconds, tokens,
+               pages * page_size * per_token)

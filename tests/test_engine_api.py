@@ -77,3 +77,19 @@ def test_request_ids_must_be_unique_while_running(model):
     llm.add_request("x", prompt, GREEDY)  # finished: the id is free again
     llm.abort_request("x")
     assert llm.manager.num_used_blocks == 0
+
+
+def test_a_growing_cache_keeps_its_blocks_and_cached_prefixes(model):
+    """On a CPU the cache grows to each call's needs; growing keeps every cached prefix."""
+    shared = random_prompts([8], model.args.vocab_size, seed=5)[0]  # two full blocks of 4
+    prompts = [shared + tail for tail in random_prompts([3, 4, 5, 6], model.args.vocab_size)]
+    expected = [o.outputs[0].token_ids for o in LLM(model, block_size=4, num_gpu_blocks=64)
+                .generate(prompts, GREEDY, use_tqdm=False)]
+    llm = LLM(model, block_size=4, enable_prefix_caching=True)
+    first = llm.generate(prompts[:1], GREEDY, use_tqdm=False)
+    small = llm.manager.num_gpu_blocks
+    rest = llm.generate(prompts[1:], GREEDY, use_tqdm=False)
+    assert llm.manager.num_gpu_blocks > small
+    assert llm.stats.prefix_hits == 3 * 8  # each later prompt found the first one's blocks
+    assert [o.outputs[0].token_ids for o in first + rest] == expected
+    llm.manager.check_invariants()

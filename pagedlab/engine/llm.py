@@ -142,25 +142,17 @@ class LLM:
             policy=lookup_preset("scheduling_policy", scheduling_policy, POLICIES, Policy,
                                  "policies"),
         )
-        self._cache_args = dict(num_cpu_blocks=num_cpu_blocks, kv_cache_dtype=kv_cache_dtype,
-                                kv_scale=kv_scale, enable_prefix_caching=enable_prefix_caching,
-                                record_events=record_events)
-        self._build_cache(1 if self._auto_blocks else num_gpu_blocks)
+        self.manager = KVCacheManager(
+            1 if self._auto_blocks else num_gpu_blocks, block_size, num_cpu_blocks,
+            enable_prefix_caching, record_events=record_events,
+        )
+        self.scheduler = Scheduler(self.manager, self.config)
+        self.runner = ModelRunner(model, block_size, self.manager.num_gpu_blocks, num_cpu_blocks,
+                                  kv_cache_dtype, kv_scale)
         self.sampler = Sampler()
         self.stats: EngineStats | None = None  # of the last call
         self._next_id = 0  # request ids: "0", "1", ...
         self._prompts: dict[str, str | None] = {}  # request id -> prompt text
-
-    def _build_cache(self, num_gpu_blocks: int) -> None:
-        """The manager, scheduler and runner for a cache of ``num_gpu_blocks`` blocks."""
-        a = self._cache_args
-        self.manager = KVCacheManager(
-            num_gpu_blocks, self.block_size, a["num_cpu_blocks"], a["enable_prefix_caching"],
-            record_events=a["record_events"],
-        )
-        self.scheduler = Scheduler(self.manager, self.config)
-        self.runner = ModelRunner(self.model, self.block_size, num_gpu_blocks,
-                                  a["num_cpu_blocks"], a["kv_cache_dtype"], a["kv_scale"])
 
     # --- the offline API --------------------------------------------------------------------
 
@@ -359,16 +351,19 @@ class LLM:
                 continue  # add_request reports it
             if isinstance(params, (SamplingParams, BeamSearchParams)):
                 need += self._blocks_for(ids, params)
-        need = min(need + 1, self._max_blocks)  # one above the 1% watermark of small caches
-        if need > self.manager.num_gpu_blocks:
-            self._build_cache(need)
+        self._grow_to(need + 1)  # one above the 1% watermark of small caches
 
     def _reserve(self, request_id: str, ids: list[int], params) -> None:
         """An auto-sized cache grows, while idle, to hold a request added on its own."""
         if not self.scheduler.has_unfinished:
-            need = min(self._blocks_for(ids, params) + 1, self._max_blocks)
-            if need > self.manager.num_gpu_blocks:
-                self._build_cache(need)
+            self._grow_to(self._blocks_for(ids, params) + 1)
+
+    def _grow_to(self, num_gpu_blocks: int) -> None:
+        """Grow the cache, within the budget, keeping its blocks (and cached prefixes)."""
+        num_gpu_blocks = min(num_gpu_blocks, self._max_blocks)
+        if num_gpu_blocks > self.manager.num_gpu_blocks:
+            self.manager.grow(num_gpu_blocks)
+            self.runner.grow(num_gpu_blocks)
 
 
     def _check_no_leak(self) -> None:

@@ -100,8 +100,17 @@ class ModelRunner:
                 for _ in range(a.num_layers)
             ]  # per layer: [num_blocks, block_size, num_kv_heads, head_dim] twice
 
+        self._caches = caches
         self.kv_caches = caches(num_gpu_blocks, dev)
         self.cpu_caches = caches(num_cpu_blocks, "cpu", pin)
+
+    def grow(self, num_gpu_blocks: int) -> None:
+        """Larger GPU caches holding the same blocks under the same ids."""
+        bigger = self._caches(num_gpu_blocks, self.model.device)
+        for old_layer, new_layer in zip(self.kv_caches, bigger):
+            for old, new in zip(old_layer, new_layer):
+                new[: old.shape[0]] = old
+        self.kv_caches = bigger
 
     def execute(self, step: Step, manager: KVCacheManager) -> Tensor:
         """Run ``step``; return fp32 logits [num_seqs, vocab] in the order of ``step.seqs``."""

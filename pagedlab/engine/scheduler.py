@@ -121,7 +121,6 @@ class Scheduler:
     def __init__(self, manager: KVCacheManager, config: SchedulerConfig | None = None):
         self.manager = manager
         self.config = config or SchedulerConfig()
-        self.watermark_blocks = int(self.config.watermark * manager.num_gpu_blocks)
         self.waiting: deque[SequenceGroup] = deque()  # waiting and swapped: in policy order
         self.running: list[SequenceGroup] = []
         self.swapped: list[SequenceGroup] = []
@@ -129,6 +128,11 @@ class Scheduler:
         self.num_steps = 0
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
+
+    @property
+    def watermark_blocks(self) -> int:
+        """GPU blocks admission leaves free (the cache may grow, so this follows it)."""
+        return int(self.config.watermark * self.manager.num_gpu_blocks)
 
     # --- requests ---------------------------------------------------------------------------
 

@@ -230,6 +230,11 @@ class KVCacheManager:
         if self.events is not None:
             self._record("free", seq_id, released)
 
+    def grow(self, num_gpu_blocks: int) -> None:
+        """Add GPU blocks, keeping every sequence, every cached prefix and every block id."""
+        self.gpu.grow(num_gpu_blocks)
+        self.num_gpu_blocks = num_gpu_blocks
+
     def commit(self) -> None:
         """The step's keys and values are written: blocks cached during it may be hit from now
         on as before. Call after every forward pass that succeeded."""
