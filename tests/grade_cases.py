@@ -139,9 +139,10 @@ CORRECT = {
         ],
     },
     "A6": {
-        "a percentile and a list key": [
-            ("return len(group.prompt_token_ids), group.arrival", "return [len(group.prompt_token_ids), group.arrival]"),
+        "a percentile, and a loop in the audit": [
             ("long = prompt_lens > np.quantile(prompt_lens, 0.9)", "long = prompt_lens > np.percentile(prompt_lens, 90)"),
+            ("\"full outputs\": all(lengths.get(r.id) == r.output_len for r in requests),",
+             "\"full outputs\": min([lengths.get(r.id) == r.output_len for r in requests]),"),
         ],
     },
 }

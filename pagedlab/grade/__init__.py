@@ -67,7 +67,7 @@ def grade_many(
         assignment = load(reference_for(path, solutions))
         submission = assemble(assignment, nbformat.read(path, as_version=4))
         cells = _selected(assignment, submission.cells, only)
-        plans.append((assignment, submission, cells, name))
+        plans.append((assignment, submission, cells, name, only))
         if submission.refusals:
             continue
         hidden_dirs = [str(HIDDEN)] + [str(d) for d in extra_checks]
@@ -82,11 +82,13 @@ def grade_many(
         })
     results = iter(_run(jobs, timeout) if jobs else [])
     reports = []
-    for assignment, submission, cells, name in plans:
+    for assignment, submission, cells, name, only in plans:
         if submission.refusals:
             report = Report(name, assignment.name, refused=submission.refusals, notes=submission.notes)
         else:
             report = score(assignment, cells, next(results), name)
+            keep = set(only or ()) | {assignment.name} if only else None  # a broken check file fails "A2"
+            report.tasks = [t for t in report.tasks if keep is None or t.task in keep and (t.task in only or not t.ok)]
             report.notes[:0] = submission.notes
         reports.append(report)
     return reports
@@ -98,11 +100,12 @@ def grade(notebook, **options) -> Report:
 
 
 def _selected(assignment: Assignment, cells: list, tasks: list | None) -> list:
+    """The cells up to the last check of ``tasks`` (all of them: runs that differ only in a
+    late cell then share the cells before it, see worker._run_group)."""
     if tasks is None:
         return cells
-    wanted = [i for i, c in enumerate(cells) if c.kind == "check" and c.task in tasks]
-    last = max(wanted, default=len(cells) - 1)
-    return [c for i, c in enumerate(cells[: last + 1]) if c.kind != "check" or c.task in tasks]
+    last = max((i for i, c in enumerate(cells) if c.kind == "check" and c.task in tasks), default=len(cells) - 1)
+    return cells[: last + 1]
 
 
 def _run(jobs: list[dict], timeout: float) -> list[dict]:

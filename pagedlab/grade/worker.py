@@ -233,18 +233,23 @@ def _error(exc: BaseException, filenames) -> dict:
     return {"type": type(exc).__name__, "message": message, "where": where}
 
 
-def hidden_checks(assignment: str, dirs: list[str]) -> list:
-    """(file, function) of every hidden check for the assignment in the directories, in order."""
-    found = []
+def hidden_checks(assignment: str, dirs: list[str]) -> tuple[list, list[dict]]:
+    """(file, function) of every hidden check for the assignment in the directories, in order,
+    and an error entry for each file that failed to load (so that it fails the grade)."""
+    found, broken = [], []
     for d in dirs:
         for path in sorted(Path(d).glob(f"{assignment}*.py")):
             if path.stem[len(assignment) :][:1].isdigit():  # A1 must not take A10's files
                 continue
             spec = importlib.util.spec_from_file_location(f"hidden_{path.stem}_{len(found)}", path)
             module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
+            try:
+                spec.loader.exec_module(module)
+            except Exception as exc:  # noqa: BLE001 - an instructor's broken file is reported
+                broken.append({"name": f"loading {path}", "task": assignment, "doc": "", "error": _error(exc, set())})
+                continue
             found += [(str(path), fn) for fn in vars(module).values() if hasattr(fn, "__grade_task__")]
-    return found
+    return found, broken
 
 
 def _start(forbidden: list[str]) -> None:
@@ -291,13 +296,7 @@ def _run_cell(cell: dict, job: dict) -> dict:
 
 def _finish(job: dict, cells: list[dict]) -> dict:
     """After a job's cells: its hidden checks, and its whole result."""
-    hidden = []
-    try:
-        found = hidden_checks(job["assignment"], job["hidden_dirs"])
-    except Exception as exc:  # noqa: BLE001 - an instructor's broken file is reported
-        found = []
-        hidden.append({"name": "loading hidden checks", "task": job["assignment"], "doc": "",
-                       "error": _error(exc, set())})
+    found, hidden = hidden_checks(job["assignment"], job["hidden_dirs"])
     found = [(path, fn) for path, fn in found if not job["only"] or fn.__grade_task__ in job["only"]]
     RUN.check_files.update(path for path, _ in found)
     for path, fn in found:

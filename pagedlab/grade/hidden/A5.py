@@ -58,3 +58,25 @@ def check_other_workloads_beside_the_library(nb):
             expect(seed, f"serve(seeded workload {seed}, {blocks} GPU / {cpu} CPU blocks, {config})",
                    key, theirs[key], ours[key])
         expect(seed, "the same run", "leaked (GPU, CPU) blocks", (0, 0), ours["leaked"])
+
+
+@task("A5.3")
+def check_steps_beside_the_library(nb):
+    """Twelve seeded workloads, step by step beside pagedlab's Scheduler (the notebook's
+    library_step), with watermarks, seat caps and CPU pools that the visible check does not use."""
+    for seed in range(12):
+        rng = random.Random(50 + seed)
+        workload = _workload(rng, rng.randint(3, 8))
+        longest = max(-(-(len(p) + m) // 4) for _, p, m in workload)
+        blocks, cpu = longest + rng.randint(0, 5), rng.choice([2, 16])
+        config = dict(max_num_seqs=rng.randint(2, 4), max_num_batched_tokens=rng.choice([16, 32]),
+                      watermark=rng.choice([0.0, 0.15, 0.3]), mode=rng.choice(["recompute", "swap"]))
+        sched = nb.MiniScheduler(nb.KVCacheManager(blocks, 4, num_cpu_blocks=cpu), **config)
+        for rid, prompt, max_tokens in workload:
+            sched.add(rid, prompt, max_tokens)
+        lib = nb.library(workload, blocks, num_cpu_blocks=cpu, **config)
+        while sched.has_unfinished or lib.has_unfinished:
+            index = sched.num_steps
+            (ours, _), (theirs, _) = nb.mine(sched), nb.library_step(lib)
+            expect(index, f"seed {seed}, {blocks} GPU / {cpu} CPU blocks, {config}",
+                   "(prefills, decodes, preempted, swapped in, blocks copied)", theirs, ours)
