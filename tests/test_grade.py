@@ -89,7 +89,8 @@ def test_grader_fails_every_broken_solution_passes_variants_and_refuses_cheats(n
         lambda r: any("nbval-skip" in x for x in r.refused))
     first_task = load(solution_path(name)).tasks[0]
     add("the untouched student notebook", make_student(nbformat.read(solution_path(name), as_version=4)), [first_task],
-        lambda r: not r.refused and r.task(first_task).passed == 0)
+        lambda r: not r.refused and r.task(first_task).passed == 0
+        and f"NotImplementedError: {first_task}" in r.task(first_task).failures[0])
 
     reports = grade_many([submission for _, submission, _ in cases])
     wrong = [f"{label}:\n{report.text()}" for (label, _, must), report in zip(cases, reports) if not must(report)]
