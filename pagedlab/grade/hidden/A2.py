@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pagedlab.grade import task
-from pagedlab.grade.checks import GRADING, expect, outcome
+from pagedlab.grade.checks import GRADING, Diverged, Renaming, expect, outcome
 from pagedlab.memory import BlockAllocator, KVCacheManager
 
 
@@ -75,10 +75,11 @@ def check_block_tables_random_runs(nb):
 @task("A2.3")
 def check_fork_and_copy_on_write_random_runs(nb):
     """Random prompts, appends, forks and frees beside KVCacheManager: the same refusals and
-    copies, refcounts equal to table entries, a written partial block never shared."""
+    copies, refcounts equal to table entries, a written partial block never shared, and every
+    table the library's up to a renaming of blocks."""
     for seed in range(12):
         rng, size, bs = random.Random(seed), 16 + seed, 2 + seed % 3
-        lib, pool, mine = KVCacheManager(size, bs), nb.Allocator(size), {}
+        lib, pool, mine, names = KVCacheManager(size, bs), nb.Allocator(size), {}, Renaming()
         for step in range(80):
             kind = rng.choice(["prompt", "append", "append", "fork", "free"]) if mine else "prompt"
             if kind == "prompt":
@@ -118,6 +119,11 @@ def check_fork_and_copy_on_write_random_runs(nb):
                 nb.free_table(mine.pop(sid))
             _check_tables(pool, list(mine.values()), size, bs, (step, f"seed {seed}: {op}"))
             expect(step, f"seed {seed}: {op}", "blocks in use", lib.num_used_blocks, size - pool.num_free)
+            names.forget([b for b in range(size) if pool.refcount(b) == 0])
+            for sid in sorted(mine):
+                if not names.match(mine[sid].blocks, lib.block_table(sid)):
+                    raise Diverged(f"operation {step}, seed {seed}: {op}: {sid}'s blocks {mine[sid].blocks} are not "
+                                   f"the library's {lib.block_table(sid)} under any renaming that fits the other tables")
 
 
 class _Pool:
