@@ -129,6 +129,11 @@ def test_a_deleted_solution_cell_is_refused_by_name():
     assert refusals and "no solution cell for A3.2" in refusals[0]
 
 
+def test_an_unknown_task_is_an_error_not_an_empty_pass():
+    with pytest.raises(ValueError, match="A2 has no task A2.9; its tasks are A2.1, A2.2, A2.3, A2.4, A2"):
+        grade_many([solution_path("A2")], tasks=["A2.9"])
+
+
 def test_diff_labels_expected_and_actual_at_the_first_differing_line():
     text = _diff("a\nfree: 2\nend", "a\nfree: 3\nend")
     assert "first difference at output line 2:" in text

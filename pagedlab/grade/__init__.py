@@ -65,6 +65,10 @@ def grade_many(
         path, only = (Path(item[0]), item[1]) if isinstance(item, tuple) else (Path(item), tasks)
         name = path.name
         assignment = load(reference_for(path, solutions))
+        unknown = sorted(set(only or ()) - set(assignment.tasks))
+        if unknown:
+            raise ValueError(f"{path.name}: {assignment.name} has no task {', '.join(unknown)}; "
+                             f"its tasks are {', '.join(assignment.tasks)}")
         submission = assemble(assignment, nbformat.read(path, as_version=4))
         cells = _selected(assignment, submission.cells, only)
         plans.append((assignment, submission, cells, name, only))

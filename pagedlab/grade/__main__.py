@@ -26,8 +26,11 @@ def main(argv=None) -> int:
     for nb in args.notebooks:
         if not nb.is_file():
             parser.error(f"{nb}: no such notebook")
-    reports = grade_many(args.notebooks, extra_checks=args.extra_checks, solutions=args.solutions,
-                         tasks=args.tasks, cell_timeout=args.cell_timeout)
+    try:
+        reports = grade_many(args.notebooks, extra_checks=args.extra_checks, solutions=args.solutions,
+                             tasks=args.tasks, cell_timeout=args.cell_timeout)
+    except ValueError as err:  # an unknown assignment or task: nothing was graded
+        parser.error(str(err))
     for report in reports:
         print(report.text(), end="\n\n" if len(reports) > 1 else "\n")
     if args.json:

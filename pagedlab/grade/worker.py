@@ -1,10 +1,12 @@
-"""The process that runs submissions: one fork per submission, so each runs in a fresh process.
+"""The process that runs submissions, each as if in a fresh process of its own.
 
-It reads a JSON list of jobs on stdin and writes a JSON list of results on stdout. The parent
-imports what the notebooks import once (``preload``); each child runs one job's cells in order
-in one namespace, as a kernel would, then the hidden checks, and reports per cell what the
-check code printed (the student's own prints are set aside), the error if any, and every use
-of a forbidden library function from the student's code. Nothing here compares or scores.
+It reads a request on stdin (jobs, modules to import once, how many children at a time) and
+writes a JSON list of results on stdout. Each job's cells run in order in one namespace, as a
+kernel would run them, then its hidden checks; per cell it reports what the check code printed
+(the student's own prints are set aside), the error if any, and every use of forbidden library
+code from the student's code. Children are forked from a process that has imported torch and
+the library, and jobs that begin with the same cells share one child up to where they differ
+(see _run_group). Nothing here compares or scores.
 """
 
 from __future__ import annotations
