@@ -14,11 +14,11 @@ book: $(READY)
 	$(BIN)/jupyter-book build . --warningiserror --nitpick --keep-going
 
 # The whole suite: the book build (every chapter executed), then unit and property tests and
-# nbval on the assignment solutions.
+# the assignment grader's tests (tests/test_grade.py grades every solution notebook).
 test: book pytest
 
 pytest: $(READY)
-	$(BIN)/python -m pytest --nbval --nbval-sanitize-with notebooks/sanitize.cfg
+	$(BIN)/python -m pytest
 
 # Regenerate what is derived from a single source: Colab notebooks from chapter sources,
 # student notebooks from solution notebooks. Tests fail when these are stale.

@@ -8,8 +8,9 @@ A solution notebook marks each task's code in a code cell::
         ### END SOLUTION
 
 The student copy replaces each region with ``raise NotImplementedError("A1.2: online
-softmax")`` at the marker's indentation and keeps the solution's stored outputs, so nbval on
-the student copy passes exactly when the student's code reproduces the reference outputs.
+softmax")`` at the marker's indentation, keeps the solution's stored outputs for the student to
+read, and names the cell's tasks in its metadata (``{"pagedlab": {"solution": "A1.2"}}``): the
+grader (``pagedlab.grade``) takes those cells, and only those, from a submission.
 
 Regenerate every student notebook with ``python -m pagedlab.assignments SOLUTIONS STUDENT``.
 """
@@ -25,6 +26,11 @@ import nbformat
 
 BEGIN = re.compile(r"^(?P<indent>[ \t]*)### BEGIN SOLUTION (?P<task>\S.*?)\s*$")
 END = re.compile(r"^[ \t]*### END SOLUTION\s*$")
+
+
+def task_id(task: str) -> str:
+    """A marker's task name without its description: 'A2.1: free-list allocator' -> 'A2.1'."""
+    return task.split(":")[0].strip()
 
 
 def stub_source(source: str, where: str = "cell") -> tuple[str, list[str]]:
@@ -53,12 +59,15 @@ def stub_source(source: str, where: str = "cell") -> tuple[str, list[str]]:
 
 
 def make_student(solution: nbformat.NotebookNode, name: str = "notebook") -> nbformat.NotebookNode:
-    """The student copy of a solution notebook: regions stubbed, outputs kept."""
+    """The student copy of a solution notebook: regions stubbed, outputs kept, solution cells
+    named in their metadata."""
     student = copy.deepcopy(solution)
     tasks = []
     for index, cell in enumerate(student.cells):
         if cell.cell_type == "code":
             cell.source, found = stub_source(cell.source, where=f"{name}, cell {index}")
+            if found:
+                cell.metadata["pagedlab"] = {"solution": "/".join(dict.fromkeys(map(task_id, found)))}
             tasks += found
     if not tasks:
         raise ValueError(f"{name}: no '### BEGIN SOLUTION' region, nothing for a student to do")

@@ -1,0 +1,54 @@
+"""Helpers for hidden checks: Hypothesis settings fit for grading, and a side-by-side replay
+that names the first operation where the student's code and the reference part ways."""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, settings
+
+# Deterministic (the same examples for every student), no example database, no deadline
+# (the Triton interpreter and a loaded CI machine are slow), few examples (seconds, not minutes).
+GRADING = settings(max_examples=30, deadline=None, derandomize=True, database=None,
+                   suppress_health_check=list(HealthCheck), print_blob=False)
+
+
+def outcome(call):
+    """('ok', value) or ('error', exception type name): what a call did, for comparing."""
+    try:
+        return "ok", call()
+    except NotImplementedError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the student's error is what is compared
+        return "error", type(e).__name__
+
+
+class Diverged(AssertionError):
+    """The student's code and the reference disagreed; the message names the operation."""
+
+
+def expect(step: int, op: str, what: str, expected, actual) -> None:
+    """Fail with the first diverging operation, expected and actual labelled."""
+    if expected != actual:
+        raise Diverged(f"operation {step}, {op}: {what}\n    expected: {expected!r}\n    actual:   {actual!r}")
+
+
+class Renaming:
+    """Block ids equal up to a renaming: a one-to-one map from the student's live blocks to the
+    reference's, made as blocks are handed out and dropped as they are freed."""
+
+    def __init__(self):
+        self.mine_to_ref: dict[int, int] = {}
+
+    def match(self, mine, ref) -> bool:
+        """Extend the map with mine[i] -> ref[i]; False if that contradicts it."""
+        if len(mine) != len(ref):
+            return False
+        taken = {r: m for m, r in self.mine_to_ref.items()}
+        for m, r in zip(mine, ref):
+            if self.mine_to_ref.get(m, r) != r or taken.get(r, m) != m:
+                return False
+            self.mine_to_ref[m], taken[r] = r, m
+        return True
+
+    def forget(self, mine) -> None:
+        for m in mine:
+            self.mine_to_ref.pop(m, None)

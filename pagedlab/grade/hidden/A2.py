@@ -1,0 +1,205 @@
+"""Hidden checks of A2: seeded random runs beside the library, and the invariant checker on
+states corrupted at random. Block ids are compared exactly only for the allocator, whose
+free-list order is the lesson; elsewhere only what does not depend on them."""
+
+import random
+from collections import Counter
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pagedlab.grade import task
+from pagedlab.grade.checks import GRADING, Diverged, Renaming, expect, outcome
+from pagedlab.memory import BlockAllocator, KVCacheManager
+
+
+@task("A2.1")
+def check_allocator_random_runs(nb):
+    """20 seeded runs of allocate / share / release (double frees and all-or-nothing failures
+    included) give the library's blocks, refcounts and free counts, call by call."""
+    for seed in range(20):
+        rng, size = random.Random(seed), 1 + seed % 9
+        mine, ref = nb.Allocator(size), BlockAllocator(size)
+        for step in range(120):
+            kind = rng.choice(["allocate", "share", "release", "release"])
+            if kind == "allocate":
+                n = rng.randint(0, 4)
+                op = f"allocate({n})"
+                exp, got = outcome(lambda: ref.allocate(n)), outcome(lambda: mine.allocate(n))
+                expect(step, f"seed {seed}, pool of {size}: {op}", "result", exp if exp[0] == "ok" else "error",
+                       got if got[0] == "ok" else "error")
+            else:
+                blocks = rng.sample(range(size), rng.randint(1, min(3, size)))
+                op = f"{kind}({blocks})"
+                exp = outcome(lambda: getattr(ref, kind)(blocks))[0]
+                got = outcome(lambda: getattr(mine, kind)(blocks))[0]
+                expect(step, f"seed {seed}, pool of {size}: {op}", "succeeded or raised", exp, got)
+            expect(step, f"seed {seed}, pool of {size}: {op}", "refcounts after it",
+                   [ref.refcount(b) for b in range(size)], [mine.refcount(b) for b in range(size)])
+            expect(step, f"seed {seed}, pool of {size}: {op}", "num_free after it", ref.num_free, mine.num_free)
+
+
+def _check_tables(pool, tables, size, bs, where):
+    """What any correct run satisfies, whatever the block ids."""
+    entries = Counter(b for t in tables for b in t.blocks)
+    for t in tables:
+        expect(*where, "blocks of a table holding %d tokens" % t.num_tokens, -(-t.num_tokens // bs), len(t.blocks))
+    expect(*where, "refcount of each block == entries pointing at it",
+           {b: entries[b] for b in range(size)}, {b: pool.refcount(b) for b in range(size)})
+    expect(*where, "num_free", size - len(entries), pool.num_free)
+
+
+@task("A2.2")
+def check_block_tables_random_runs(nb):
+    """Random appends to several tables: a block only when the last is full, slot mapping by the
+    formula, a refused append changes nothing (block ids free to differ)."""
+    for seed in range(15):
+        rng, size, bs = random.Random(seed), 12 + seed, 1 + seed % 5
+        pool = nb.Allocator(size)
+        tables = [nb.BlockTable(pool, bs) for _ in range(4)]
+        for step in range(60):
+            i, n = rng.randrange(4), rng.randint(1, 3 * bs)
+            t, where = tables[i], (step, f"seed {seed}, block size {bs}: table {i}.append({n})")
+            needed = -(-(t.num_tokens + n) // bs) - len(t.blocks)
+            expect(*where, "blocks_needed", needed, t.blocks_needed(n))
+            before = (t.blocks.copy(), t.num_tokens, pool.num_free)
+            fits = needed <= pool.num_free
+            expect(*where, "succeeded", fits, outcome(lambda: t.append(n))[0] == "ok")
+            if not fits:
+                expect(*where, "table and pool after a refused append", before, (t.blocks, t.num_tokens, pool.num_free))
+            _check_tables(pool, tables, size, bs, where)
+            slots = [t.blocks[p // bs] * bs + p % bs for p in range(t.num_tokens)]
+            expect(*where, "slot_mapping(0, num_tokens)", slots, t.slot_mapping(0, t.num_tokens))
+
+
+@task("A2.3")
+def check_fork_and_copy_on_write_random_runs(nb):
+    """Random prompts, appends, forks and frees beside KVCacheManager: the same refusals and
+    copies, refcounts equal to table entries, a written partial block never shared, and every
+    table the library's up to a renaming of blocks."""
+    for seed in range(12):
+        rng, size, bs = random.Random(seed), 16 + seed, 2 + seed % 3
+        lib, pool, mine, names = KVCacheManager(size, bs), nb.Allocator(size), {}, Renaming()
+        for step in range(80):
+            kind = rng.choice(["prompt", "append", "append", "fork", "free"]) if mine else "prompt"
+            if kind == "prompt":
+                sid, n = f"s{step}", rng.randint(1, 3 * bs)
+                op = f"new sequence {sid} with {n} tokens"
+                exp = outcome(lambda: lib.allocate(sid, [0] * n))[0]
+                t = nb.SharedBlockTable(pool, bs)
+                got = outcome(lambda: t.append(n))[0]
+                expect(step, op, "succeeded or raised", exp, got)
+                if exp == "ok":
+                    mine[sid] = t
+            elif kind == "append":
+                sid, n = rng.choice(sorted(mine)), rng.randint(1, 2 * bs)
+                op = f"{sid}.append({n})"
+                t = mine[sid]
+                shared = t.num_tokens % bs and pool.refcount(t.blocks[-1]) > 1
+                exp = outcome(lambda: lib.append(sid, [0] * n))[0]
+                got = outcome(lambda: t.append(n))
+                expect(step, op, "succeeded or raised", exp, got[0])
+                if exp == "ok":
+                    copies = lib.take_copies()
+                    expect(step, op, "a (src, dst) copy returned (the last block was partly filled and shared)",
+                           bool(shared), got[1] is not None)
+                    expect(step, op, "copies made", len(copies), int(got[1] is not None))
+                    if t.num_tokens % bs:
+                        expect(step, op, "refcount of the partly filled last block written", 1, pool.refcount(t.blocks[-1]))
+            elif kind == "fork":
+                parent, sid = rng.choice(sorted(mine)), f"s{step}"
+                op = f"fork {parent} as {sid}"
+                lib.fork(parent, sid)
+                mine[sid] = mine[parent].fork()
+                expect(step, op, "child's tokens", mine[parent].num_tokens, mine[sid].num_tokens)
+            else:
+                sid = rng.choice(sorted(mine))
+                op = f"free {sid}"
+                lib.free(sid)
+                nb.free_table(mine.pop(sid))
+            _check_tables(pool, list(mine.values()), size, bs, (step, f"seed {seed}: {op}"))
+            expect(step, f"seed {seed}: {op}", "blocks in use", lib.num_used_blocks, size - pool.num_free)
+            names.forget([b for b in range(size) if pool.refcount(b) == 0])
+            for sid in sorted(mine):
+                if not names.match(mine[sid].blocks, lib.block_table(sid)):
+                    raise Diverged(f"operation {step}, seed {seed}: {op}: {sid}'s blocks {mine[sid].blocks} are not "
+                                   f"the library's {lib.block_table(sid)} under any renaming that fits the other tables")
+
+
+class _Pool:
+    """A bare allocator state for find_violations: refs, free_list and the accessors."""
+
+    def __init__(self, refs, free_list):
+        self.refs, self.free_list, self.num_blocks = refs, free_list, len(refs)
+
+    @property
+    def num_free(self):
+        return len(self.free_list)
+
+    def refcount(self, block):
+        return self.refs[block]
+
+
+class _Table:
+    def __init__(self, blocks):
+        self.blocks = blocks
+
+
+def _violations(refs, free_list, tables):
+    """The two rules of A2.4, straight from the statement."""
+    entries, on_list = Counter(b for t in tables for b in t), Counter(free_list)
+    return [b for b in range(len(refs)) if refs[b] != entries[b] or on_list[b] != (refs[b] == 0)]
+
+
+@task("A2.4")
+@GRADING
+@given(st.lists(st.lists(st.integers(0, 9), max_size=4), max_size=4),
+       st.lists(st.tuples(st.sampled_from(["leak", "extra ref", "lost", "twice", "used on list", "entry to free", "drop ref"]),
+                          st.integers(0, 9)), max_size=3))
+def check_find_violations(nb, tables, corruptions):
+    """find_violations on random states with random corruptions (a leaked block with no table
+    entry included): exactly the blocks that break a rule, sorted, each once."""
+    tables = [list(dict.fromkeys(t)) for t in tables]
+    entries = Counter(b for t in tables for b in t)
+    refs = [entries[b] for b in range(10)]
+    free_list = [b for b in range(9, -1, -1) if refs[b] == 0]
+    for kind, b in corruptions:
+        if kind == "leak" and b in free_list and refs[b] == 0:  # taken off the free list, refcount 1, no table entry
+            free_list.remove(b)
+            refs[b] = 1
+        elif kind == "extra ref" and refs[b]:
+            refs[b] += 1
+        elif kind == "drop ref" and refs[b]:
+            refs[b] -= 1
+        elif kind == "lost" and b in free_list:
+            free_list.remove(b)
+        elif kind == "twice" and b in free_list:
+            free_list.append(b)
+        elif kind == "used on list" and refs[b]:
+            free_list.append(b)
+        elif kind == "entry to free" and tables and refs[b] == 0:
+            tables[0].append(b)
+    expected = _violations(refs, free_list, tables)
+    got = nb.find_violations(_Pool(refs, free_list.copy()), [_Table(t.copy()) for t in tables])
+    state = f"refcounts {refs}, free list {free_list}, tables {tables}"
+    assert list(got) == expected, f"{state}\n    expected: {expected}\n    actual:   {list(got)}"
+
+
+@task("A2.4")
+def check_free_table_releases_tail_first(nb):
+    """free_table releases every block in one call, last block first, and empties the table."""
+    calls = []
+
+    class Recorder(nb.Allocator):
+        def release(self, blocks):
+            calls.append(list(blocks))
+            return super().release(blocks)
+
+    pool = Recorder(8)
+    t = nb.SharedBlockTable(pool, 2)
+    t.append(5)
+    blocks = t.blocks.copy()
+    nb.free_table(t)
+    assert calls == [blocks[::-1]], f"release calls expected: {[blocks[::-1]]}\n    actual: {calls}"
+    assert (t.blocks, t.num_tokens, pool.num_free) == ([], 0, 8), \
+        f"after free_table: blocks {t.blocks}, tokens {t.num_tokens}, free {pool.num_free}; expected [], 0, 8"

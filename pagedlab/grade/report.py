@@ -1,0 +1,157 @@
+"""Scores from a run: per task, the checks passed, the first failure with expected and actual
+labelled, the library uses found; a summary line and a JSON-ready dict for an instructor."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+
+from pagedlab.grade.notebook import Assignment, Cell
+
+CELL_FILE = re.compile(r"<cell (\d+)(?:: ([^>]+))?> line (\d+)")
+
+
+@dataclass
+class TaskScore:
+    task: str
+    checks: int = 0
+    passed: int = 0
+    hidden: int = 0
+    hidden_passed: int = 0
+    failures: list[str] = field(default_factory=list)  # the first failing visible and hidden check
+    library_use: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.passed == self.checks and self.hidden_passed == self.hidden and not self.library_use
+
+    def line(self) -> str:
+        hidden = f", hidden {self.hidden_passed}/{self.hidden}" if self.hidden else ""
+        flag = "" if self.ok else ("  [uses the library]" if self.library_use else "  [FAIL]")
+        return f"{self.task}: {self.passed}/{self.checks} checks{hidden}{flag}"
+
+
+@dataclass
+class Report:
+    notebook: str
+    assignment: str
+    refused: list[str] = field(default_factory=list)
+    tasks: list[TaskScore] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    setup_mismatches: list[str] = field(default_factory=list)  # the notebook's own cells (CI)
+    student_output: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        return not self.refused and all(t.ok for t in self.tasks)
+
+    def task(self, name: str) -> TaskScore:
+        return next(t for t in self.tasks if t.task == name)
+
+    def summary(self) -> str:
+        if self.refused:
+            return f"{self.assignment} ({self.notebook}): REFUSED, {len(self.refused)} problem(s); not graded"
+        checks = sum(t.checks for t in self.tasks), sum(t.passed for t in self.tasks)
+        hidden = sum(t.hidden for t in self.tasks), sum(t.hidden_passed for t in self.tasks)
+        ok = sum(t.ok for t in self.tasks)
+        return (
+            f"{self.assignment} ({self.notebook}): {ok}/{len(self.tasks)} tasks passed; "
+            f"{checks[1]}/{checks[0]} checks, {hidden[1]}/{hidden[0]} hidden checks"
+        )
+
+    def text(self) -> str:
+        lines = []
+        if self.refused:
+            lines += ["The submission was refused:"] + [f"  - {r}" for r in self.refused]
+        for t in self.tasks:
+            lines.append(t.line())
+            lines += [f"    {f}" for f in t.library_use + t.failures]
+        lines += [f"note: {n}" for n in self.notes]
+        for where, out in self.student_output.items():
+            shown = out.rstrip().splitlines()
+            lines.append(f"note: your code printed {len(shown)} line(s) during {where} (shown, not graded)")
+        lines.append(self.summary())
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        for t, task in zip(d["tasks"], self.tasks):
+            t["ok"] = task.ok
+        d["passed"], d["summary"] = self.passed, self.summary()
+        return d
+
+
+def _readable(where: str, cells: dict[int, Cell]) -> str:
+    """'<cell 3: A2.1> line 15' -> 'your A2.1 cell, line 15'; a check cell by its title."""
+    m = CELL_FILE.search(where)
+    if not m:
+        return where
+    index, task, line = int(m[1]), m[2], m[3]
+    if task:
+        return f"your {task} cell (cell {index}), line {line}"
+    return f"cell {index} ('{cells[index].title}'), line {line}"
+
+
+def _error_text(error: dict, cells: dict[int, Cell]) -> str:
+    where = f" at {_readable(error['where'], cells)}" if error.get("where") else ""
+    return f"raised {error['type']}: {error['message']}{where}"
+
+
+def _diff(expected: str, actual: str, limit: int = 6) -> str:
+    exp, act = expected.splitlines(), actual.splitlines()
+    first = next((i for i, (e, a) in enumerate(zip(exp, act)) if e != a), min(len(exp), len(act)))
+    lines = [f"first difference at output line {first + 1}:"]
+    lines.append(f"      expected: {exp[first] if first < len(exp) else '(no more output)'}")
+    lines.append(f"      actual:   {act[first] if first < len(act) else '(no more output)'}")
+    if len(exp) > 1 or len(act) > 1:
+        lines.append("      expected output:" + "".join(f"\n        | {x}" for x in exp[:limit]))
+        lines.append("      actual output:" + "".join(f"\n        | {x}" for x in act[:limit]))
+    return "\n".join(lines)
+
+
+def score(assignment: Assignment, cells: list[Cell], result: dict, notebook: str) -> Report:
+    """The report of one run (``result`` as the worker returns it)."""
+    report = Report(notebook, assignment.name)
+    run = {c.task for c in cells if c.kind == "check"}
+    scores = {t: TaskScore(t) for t in assignment.tasks if t in run}
+    by_index = {c.index: c for c in cells}
+    if "crash" in result:
+        for s in scores.values():
+            s.checks = sum(c.kind == "check" and c.task == s.task for c in assignment.cells)
+            s.failures.append(result["crash"])
+        report.tasks = list(scores.values())
+        return report
+    for cell, out in zip(cells, result["cells"]):
+        actual = assignment.clean(out["stdout"])
+        if out["student_stdout"].strip():
+            report.student_output[f"cell {cell.index} ('{cell.title}')"] = out["student_stdout"]
+        if cell.kind == "check" and cell.task in scores:
+            s = scores[cell.task]
+            s.checks += 1
+            if out["error"] is None and actual == cell.expected:
+                s.passed += 1
+            elif not any(f.startswith("first failing check") for f in s.failures):
+                what = _error_text(out["error"], by_index) if out["error"] else _diff(cell.expected, actual)
+                s.failures.insert(0, f"first failing check: '{cell.title}' (cell {cell.index})\n      {what}")
+        elif cell.kind == "setup" and (out["error"] or (cell.expected is not None and actual != cell.expected)):
+            what = _error_text(out["error"], by_index) if out["error"] else _diff(cell.expected or "", actual)
+            report.setup_mismatches.append(f"cell {cell.index} ('{cell.title}'): {what}")
+        elif cell.kind == "solution" and out["error"]:
+            report.notes.append(f"your {cell.task} cell (cell {cell.index}) {_error_text(out['error'], by_index)}")
+    for h in result["hidden"]:
+        s = scores.setdefault(h["task"], TaskScore(h["task"]))
+        s.hidden += 1
+        if h["error"] is None:
+            s.hidden_passed += 1
+        elif not any(f.startswith("first failing hidden check") for f in s.failures):
+            doc = f" ({h['doc']})" if h["doc"] else ""
+            s.failures.append(f"first failing hidden check: {h['name']}{doc}\n      {_error_text(h['error'], by_index)}")
+    for v in result["violations"]:
+        where = f" ({v['where']})" if v["where"] else ""
+        message = f"your {v['task']} code {v['what']}{where}: the assignment forbids it"
+        for task in v["task"].split("/"):
+            s = scores.setdefault(task, TaskScore(task))
+            if message not in s.library_use:
+                s.library_use.append(message)
+    report.tasks = list(scores.values())
+    return report

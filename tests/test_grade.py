@@ -1,0 +1,195 @@
+"""The grader, tested with the submissions of tests/grade_cases.py: broken solutions fail the task
+they break, correct variants pass everything, cheats are refused or reported; and the reference
+solutions reproduce their stored outputs (what nbval checked before the grader)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from grade_cases import BROKEN, CORRECT, FORBIDDEN
+from pagedlab.assignments import make_student
+from pagedlab.grade import grade_many
+from pagedlab.grade.checks import Renaming
+from pagedlab.grade.notebook import SOLUTIONS, assemble, load
+from pagedlab.grade.report import _diff
+
+ROOT = Path(__file__).resolve().parents[1]
+ASSIGNMENTS = sorted(BROKEN)
+
+
+def solution_path(name: str) -> Path:
+    return next(SOLUTIONS.glob(f"{name}_*.ipynb"))
+
+
+def edited(name: str, edits: list[tuple[str, str]]) -> nbformat.NotebookNode:
+    """The solution notebook with each (old, new) applied once to its solution cells."""
+    nb = nbformat.read(solution_path(name), as_version=4)
+    cells = [c for c in nb.cells if c.cell_type == "code" and "### BEGIN SOLUTION" in c.source]
+    for old, new in edits:
+        hits = [c for c in cells if old in c.source]
+        assert len(hits) == 1 and hits[0].source.count(old) == 1, f"{name}: {old!r} is not in exactly one place"
+        hits[0].source = hits[0].source.replace(old, new)
+    return nb
+
+
+def cheat_printed_outputs(name: str) -> nbformat.NotebookNode:
+    """Stubs left as they are; every check cell replaced by a print of its stored output."""
+    nb = make_student(nbformat.read(solution_path(name), as_version=4))
+    for cell in nb.cells:
+        if cell.cell_type == "code" and cell.source.startswith("# Check"):
+            text = "".join(o.get("text", "") for o in cell.outputs)
+            cell.source = f"{cell.source.splitlines()[0]}\nprint({text!r}, end='')"
+    return nb
+
+
+def cheat_nbval_skip(name: str) -> nbformat.NotebookNode:
+    nb = make_student(nbformat.read(solution_path(name), as_version=4))
+    for cell in nb.cells:
+        if cell.cell_type == "code" and cell.source.startswith("# Check"):
+            cell.source = "# NBVAL_SKIP\n" + cell.source
+    return nb
+
+
+def cheat_nbval_tag(name: str) -> nbformat.NotebookNode:
+    nb = nbformat.read(solution_path(name), as_version=4)
+    check = next(c for c in nb.cells if c.cell_type == "code" and c.source.startswith("# Check"))
+    check.metadata["tags"] = ["nbval-skip"]
+    return nb
+
+
+@pytest.mark.parametrize("name", ASSIGNMENTS)
+def test_grader_fails_every_broken_solution_passes_variants_and_refuses_cheats(name, tmp_path):
+    cases = []  # (label, submission, tasks, what must hold of its report)
+
+    def add(label, nb, tasks, must):
+        path = tmp_path / f"{name}_{len(cases)}.ipynb"
+        nbformat.write(nb, path)
+        cases.append((label, (path, tasks), must))
+
+    add("the reference solution", nbformat.read(solution_path(name), as_version=4), None,
+        lambda r: r.passed and not r.setup_mismatches)
+    for label, edits in CORRECT[name].items():
+        add(f"correct variant '{label}'", edited(name, edits), None, lambda r: r.passed)
+    for label, (task, old, new) in BROKEN[name].items():
+        add(f"broken '{label}'", edited(name, [(old, new)]), [task],
+            lambda r, task=task: not r.refused and not r.task(task).ok and not r.task(task).library_use)
+    if name in FORBIDDEN:
+        task, old, new = FORBIDDEN[name]
+        add("delegating to the library", edited(name, [(old, new)]), [task],
+            lambda r, task=task: r.task(task).library_use and not r.task(task).ok)
+    add("check cells replaced by prints", cheat_printed_outputs(name), None,
+        lambda r: any("was edited or deleted" in x for x in r.refused))
+    add("NBVAL_SKIP in the check cells", cheat_nbval_skip(name), None,
+        lambda r: any("NBVAL_SKIP" in x for x in r.refused))
+    add("an nbval-skip tag on a check cell", cheat_nbval_tag(name), None,
+        lambda r: any("nbval-skip" in x for x in r.refused))
+    first_task = load(solution_path(name)).tasks[0]
+    add("the untouched student notebook", make_student(nbformat.read(solution_path(name), as_version=4)), [first_task],
+        lambda r: not r.refused and r.task(first_task).passed == 0
+        and f"NotImplementedError: {first_task}" in r.task(first_task).failures[0])
+
+    reports = grade_many([submission for _, submission, _ in cases])
+    wrong = [f"{label}:\n{report.text()}" for (label, _, must), report in zip(cases, reports) if not must(report)]
+    assert not wrong, "\n\n".join(wrong)
+
+
+# -- the parts, without running anything --------------------------------------------------------
+
+
+def test_solution_cells_are_taken_by_metadata_even_when_ids_change():
+    assignment = load(solution_path("A2"))
+    student = make_student(nbformat.read(solution_path("A2"), as_version=4))
+    for cell in student.cells:
+        cell["id"] = "renamed-" + cell.get("id", "")
+    allocator = next(c for c in student.cells if c.metadata.get("pagedlab", {}).get("solution") == "A2.1")
+    allocator.source = allocator.source.replace("raise NotImplementedError('A2.1: free-list allocator')", "return 'mine'")
+    submission = assemble(assignment, student)
+    assert not submission.refusals
+    taken = next(c for c in submission.cells if c.kind == "solution" and c.task == "A2.1")
+    assert "return 'mine'" in taken.source
+
+
+def test_added_cells_are_noted_and_never_run():
+    nb = nbformat.read(solution_path("A1"), as_version=4)
+    nb.cells.insert(3, nbformat.v4.new_code_cell("raise SystemExit('scratch')"))
+    submission = assemble(load(solution_path("A1")), nb)
+    assert not submission.refusals
+    assert all("scratch" not in c.source for c in submission.cells)
+    assert submission.notes == ["1 cell(s) you added were not run: only the solution cells are graded"]
+
+
+def test_a_deleted_solution_cell_is_refused_by_name():
+    nb = make_student(nbformat.read(solution_path("A3"), as_version=4))
+    nb.cells = [c for c in nb.cells if c.metadata.get("pagedlab", {}).get("solution") != "A3.2"]
+    refusals = assemble(load(solution_path("A3")), nb).refusals
+    assert refusals and "no solution cell for A3.2" in refusals[0]
+
+
+def test_an_unknown_task_is_an_error_not_an_empty_pass():
+    with pytest.raises(ValueError, match="A2 has no task A2.9; its tasks are A2.1, A2.2, A2.3, A2.4, A2"):
+        grade_many([solution_path("A2")], tasks=["A2.9"])
+
+
+def test_diff_labels_expected_and_actual_at_the_first_differing_line():
+    text = _diff("a\nfree: 2\nend", "a\nfree: 3\nend")
+    assert "first difference at output line 2:" in text
+    assert "expected: free: 2" in text and "actual:   free: 3" in text
+
+
+def test_renaming_is_one_to_one_while_blocks_live():
+    names = Renaming()
+    assert names.match([5, 6], [0, 1])
+    assert not names.match([5], [1])  # 5 is already 0
+    assert not names.match([7], [0])  # 0 is already 5's
+    names.forget([5])
+    assert names.match([7], [0])  # 0 was freed: another block may take the name
+
+
+# -- the command line, as the student README runs it ------------------------------------------
+
+
+def test_command_line_grades_a_buggy_notebook_with_extra_checks_and_writes_json(tmp_path):
+    nb = make_student(nbformat.read(solution_path("A2"), as_version=4))
+    for cell in nb.cells:  # the student's cells: the solution's code with one bug (FIFO reuse)
+        task = cell.metadata.get("pagedlab", {}).get("solution")
+        if task:
+            source = next(c.source for c in nbformat.read(solution_path("A2"), as_version=4).cells
+                          if c.get("id") == cell.get("id"))
+            cell.source = source.replace("self.free_list.append(b)", "self.free_list.insert(0, b)")
+    path = tmp_path / "A2_block_allocator_mine.ipynb"
+    nbformat.write(nb, path)
+    extra = tmp_path / "instructor"
+    extra.mkdir()
+    (extra / "A2_more.py").write_text(
+        "from pagedlab.grade import task\n\n\n"
+        "@task('A2.2')\n"
+        "def check_instructors_own(nb):\n"
+        "    'An instructor check the students never see.'\n"
+        "    assert nb.BlockTable(nb.Allocator(1), 4).blocks_needed(5) == 99, 'blocks_needed(5) is not 99'\n"
+    )
+    report = tmp_path / "report.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "pagedlab.grade", str(path), "--extra-checks", str(extra), "--json", str(report),
+         "--task", "A2.1", "--task", "A2.2"],
+        capture_output=True, text=True, cwd=ROOT, timeout=600,
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert lines[-1] == "A2 (A2_block_allocator_mine.ipynb): 0/2 tasks passed; 5/8 checks, 1/3 hidden checks"
+    assert "A2.1: 1/4 checks, hidden 0/1  [FAIL]" in lines
+    assert "blocks_needed(5) is not 99" in done.stdout
+    data = json.loads(report.read_text())[0]
+    assert data["passed"] is False and [t["task"] for t in data["tasks"]] == ["A2.1", "A2.2"]
+    first = data["tasks"][0]["failures"][0]
+    assert "expected: [3, 5] free: 0" in first and "actual:   [5, 3] free: 0" in first
+
+
+def test_a_broken_check_file_fails_the_grade(tmp_path):
+    (tmp_path / "A1_broken.py").write_text("def broken(:\n")
+    report = grade_many([(solution_path("A1"), ["A1.1"])], extra_checks=[tmp_path])[0]
+    assert not report.passed
+    assert "loading" in report.task("A1").failures[0] and "SyntaxError" in report.task("A1").failures[0]
