@@ -15,6 +15,7 @@ Layouts (the same everywhere in pagedlab)::
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from pagedlab.kernels.validate import (
@@ -66,13 +67,14 @@ def paged_attention(
     keys = key_cache[blocks].flatten(1, 2).float()  # [S, T, num_kv_heads, D], T = W * block_size
     values = value_cache[blocks].flatten(1, 2).float()
     valid = torch.arange(keys.shape[1], device=lens.device) < lens[:, None]  # [S, T]
-    values = values.masked_fill(~valid[:, :, None, None], 0)  # 0 * NaN would be NaN
-    q = query.float().view(num_seqs, num_kv_heads, -1, head_dim)  # [S, num_kv_heads, group, D]
-    logits = torch.einsum("skgd,stkd->skgt", q, keys) * scale  # [S, num_kv_heads, group, T]
-    logits = logits.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = logits.softmax(dim=-1)  # fp32
-    out = torch.einsum("skgt,stkd->skgd", probs, values)  # [S, num_kv_heads, group, D]
-    return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
+    invalid = ~valid[:, :, None, None]  # unused slots may hold anything, NaN too: zero them,
+    keys, values = keys.masked_fill(invalid, 0), values.masked_fill(invalid, 0)  # NaN * 0 = NaN
+    out = F.scaled_dot_product_attention(
+        query.float()[:, :, None, :],  # [S, num_heads, 1, D]
+        keys.transpose(1, 2), values.transpose(1, 2),  # [S, num_kv_heads, T, D]
+        attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True,
+    )  # [S, num_heads, 1, D]: softmax over each sequence's own tokens, in fp32
+    return out[:, :, 0].to(query.dtype)
 
 
 def reshape_and_cache(
