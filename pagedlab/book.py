@@ -1,10 +1,15 @@
 """Helpers the chapters share: numbers computed in a cell and quoted in the prose.
 
 In the book build, :func:`glue` hands a value to MyST-NB so the prose can quote it with
-``{glue}`name```; in Colab or plain Jupyter (no MyST-NB) it just returns the value.
+``{glue}`name```; in Colab or plain Jupyter (no MyST-NB) it just returns the value. The
+formatters below are the one way prose quotes a number, so that a bound in the text is never
+below the value a cell prints beside it and no phrase degenerates ("16 to 16", "+0%", "0e+00").
 """
 
 from __future__ import annotations
+
+import math
+from decimal import ROUND_CEILING, Decimal
 
 try:
     from myst_nb import glue as _myst_glue
@@ -17,3 +22,33 @@ def glue(name: str, value, display: bool = False):
     if _myst_glue is not None:
         _myst_glue(name, value, display=display)
     return value
+
+
+def bound(x: float, digits: int = 1) -> str:
+    """An upper bound as prose quotes it: ``x`` rounded *up* to ``digits`` significant
+    digits (1.5e-08 gives "2e-08", never "1e-08"); exactly zero gives "0"."""
+    if not math.isfinite(x) or x < 0:
+        raise ValueError(f"a bound must be finite and >= 0, got {x!r}")
+    if x == 0:
+        return "0"
+    exp = math.floor(math.log10(x))
+    step = Decimal(1).scaleb(1 - digits)
+    mantissa = Decimal(repr(x)).scaleb(-exp).quantize(step, rounding=ROUND_CEILING)
+    if mantissa >= 10:  # 9.6 rounded up is 10: one more digit of exponent
+        mantissa, exp = (mantissa / 10).quantize(step, rounding=ROUND_CEILING), exp + 1
+    if -3 <= exp < 4:
+        return f"{float(mantissa.scaleb(exp)):,.{max(0, digits - 1 - exp)}f}"
+    return f"{mantissa:.{digits - 1}f}e{exp:+03d}"
+
+
+def span(lo: float, hi: float, fmt: str = ",.0f", unit: str = "") -> str:
+    """A range as prose quotes it, "16 to 64 KiB"; one value when both ends print alike."""
+    a, b = format(lo, fmt), format(hi, fmt)
+    return f"{a}{unit}" if a == b else f"{a} to {b}{unit}"
+
+
+def signed_pct(x: float, digits: int = 0) -> str:
+    """A relative change as a signed percentage, "+12%" or "-3.5%"; "0%" where it rounds
+    to nothing (never "+0%" or "-0%")."""
+    text = f"{x:+.{digits}%}"
+    return "0%" if float(text[:-1]) == 0 else text
