@@ -80,24 +80,28 @@ class Reference:
         return f"[{text}]({self.url})" if self.url else text
 
 
+def author_year(entry) -> tuple[str, str]:
+    """A pybtex entry's author-year pair: ("Kwon et al.", "2023"), ("Milakov and Gimelshein",
+    ...), ("NVIDIA", ...); the book's bibliography style labels and sorts by the same."""
+    people = entry.persons.get("author") or entry.persons.get("editor") or []
+    last = [_latex(" ".join(p.prelast_names + p.last_names)) for p in people]
+    if not last:
+        names = _latex(entry.fields.get("organization", entry.fields.get("title", entry.key)))
+    elif len(last) <= 2:
+        names = " and ".join(last)
+    else:
+        names = f"{last[0]} et al."
+    return names, entry.fields.get("year", "n.d.")
+
+
 def load_references(bib: Path = ROOT / "book" / "references.bib") -> dict[str, Reference]:
     from pybtex.database import parse_file
 
     refs = {}
     for key, entry in parse_file(str(bib)).entries.items():
-        people = entry.persons.get("author") or entry.persons.get("editor") or []
-        last = [_latex(" ".join(p.prelast_names + p.last_names)) for p in people]
-        if not last:
-            names = _latex(entry.fields.get("organization", entry.fields.get("title", key)))
-        elif len(last) == 1:
-            names = last[0]
-        elif len(last) == 2:
-            names = f"{last[0]} and {last[1]}"
-        else:
-            names = f"{last[0]} et al."
         doi = entry.fields.get("doi")
         url = entry.fields.get("url") or (f"https://doi.org/{doi}" if doi else None)
-        refs[key] = Reference(names, entry.fields.get("year", "n.d."), url)
+        refs[key] = Reference(*author_year(entry), url)
     return refs
 
 

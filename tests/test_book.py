@@ -128,3 +128,25 @@ def test_built_chapter_has_outputs_and_a_colab_button_to_its_notebook(chapter):
     links = set(re.findall(r"colab\.research\.google\.com/github/[^/]+/[^/]+/blob/[^/]+/([^\"]+)", html))
     assert links == {f"book/{chapter.stem}.ipynb"}
     assert 'class="output' in html, "no executed output in the built chapter"
+
+
+def test_bibliography_is_author_year_and_sorted_without_regard_to_case():
+    """The book's pybtex style (book/_ext): labels as the text cites, A to Z whatever the case
+    or braces of a name ({NVIDIA}, vLLM), and no raw TeX left in a rendered entry."""
+    import importlib.util
+
+    from pybtex.database import parse_file
+
+    spec = importlib.util.spec_from_file_location("pagedlab_bib", ROOT / "book/_ext/pagedlab_bib.py")
+    bib_style = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bib_style)
+    data = parse_file(str(ROOT / "book" / "references.bib"))
+    entries = list(bib_style.AuthorYearStyle().format_bibliography(data))
+    labels = {e.key: e.label for e in entries}
+    assert labels["kwon2023pagedattention"] == "Kwon et al., 2023"
+    assert labels["milakov2018online"] == "Milakov and Gimelshein, 2018"
+    names = [e.label.rsplit(",", 1)[0].casefold() for e in entries]
+    assert names == sorted(names), names
+    assert len(set(labels.values())) == len(labels), "equal author-year labels need a, b"
+    texts = [e.text.render_as("text") for e in entries]
+    assert not [t for t in texts if "$" in t or "\\" in t], "raw TeX in the bibliography"
