@@ -27,6 +27,7 @@ def glue(name: str, value, display: bool = False):
 def bound(x: float, digits: int = 1) -> str:
     """An upper bound as prose quotes it: ``x`` rounded *up* to ``digits`` significant
     digits (1.5e-08 gives "2e-08", never "1e-08"); exactly zero gives "0"."""
+    x = float(x)  # a 0-d tensor or numpy scalar too
     if not math.isfinite(x) or x < 0:
         raise ValueError(f"a bound must be finite and >= 0, got {x!r}")
     if x == 0:
@@ -52,3 +53,48 @@ def signed_pct(x: float, digits: int = 0) -> str:
     to nothing (never "+0%" or "-0%")."""
     text = f"{x:+.{digits}%}"
     return "0%" if float(text[:-1]) == 0 else text
+
+
+class Source:
+    """Python source shown with highlighting: colours inlined in the HTML, so the book,
+    Jupyter and Colab all show them; plain text in a terminal or under nbval."""
+
+    def __init__(self, code: str):
+        self.code = code
+
+    def _repr_html_(self) -> str:
+        from pygments import highlight
+        from pygments.formatters import HtmlFormatter
+        from pygments.lexers import PythonLexer
+
+        html = highlight(self.code, PythonLexer(), HtmlFormatter(noclasses=True, nobackground=True))
+        return f'<div class="pagedlab-source" style="overflow-x:auto">{html}</div>'
+
+    def __repr__(self) -> str:
+        return self.code
+
+
+def show_source(*objects) -> Source:
+    """The source of functions, methods or classes (a Triton kernel's too), one after another."""
+    import inspect
+
+    return Source("\n\n".join(inspect.getsource(getattr(o, "fn", o)).rstrip("\n")
+                              for o in objects))
+
+
+def excerpt(fn, first: str, last: str) -> None:
+    """Show the lines of ``fn``'s source from the first one containing ``first`` to the next
+    containing ``last``, dedented (a kernel is read a piece at a time)."""
+    import inspect
+    import textwrap
+
+    from IPython.display import display
+
+    lines = inspect.getsource(getattr(fn, "fn", fn)).splitlines()  # a JIT function wraps .fn
+    i = next((n for n, line in enumerate(lines) if first in line), None)
+    if i is None:
+        raise ValueError(f"no line of {fn.__name__}'s source contains {first!r}")
+    j = next((n for n in range(i, len(lines)) if last in lines[n]), None)
+    if j is None:
+        raise ValueError(f"no line of {fn.__name__}'s source after {first!r} contains {last!r}")
+    display(Source(textwrap.dedent("\n".join(lines[i : j + 1]))))

@@ -8,7 +8,7 @@ import nbformat
 import pytest
 from hypothesis import given, strategies as st
 
-from pagedlab.book import bound, signed_pct, span
+from pagedlab.book import bound, excerpt, show_source, signed_pct, span
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,3 +60,26 @@ def test_no_glued_value_degenerates():
     bad = [(stem, name, value, why) for stem, name, value in values
            for pattern, why in DEGENERATE if pattern.search(value)]
     assert not bad, bad
+
+
+def test_source_is_highlighted_in_html_and_plain_in_text():
+    src = show_source(bound)
+    assert repr(src).startswith("def bound(x: float, digits: int = 1) -> str:")
+    html = src._repr_html_()
+    assert 'style="color:' in html and ">def</span>" in html, "colours inline, not by class"
+    assert "&quot;&quot;&quot;An upper bound" in html or "An upper bound" in html
+
+
+def test_excerpt_shows_the_lines_between_its_markers(monkeypatch):
+    shown = []
+    monkeypatch.setattr("IPython.display.display", shown.append)
+    excerpt(bound, "if x == 0:", 'return "0"')
+    assert [repr(s) for s in shown] == ['if x == 0:\n    return "0"']
+    with pytest.raises(ValueError, match="no line of bound's source contains 'nowhere'"):
+        excerpt(bound, "nowhere", "x")
+
+
+def test_bound_takes_a_tensor_as_the_chapters_compute_it():
+    import torch
+
+    assert bound(torch.tensor([1e-9, 1.5e-8], dtype=torch.float64).max()) == "2e-08"

@@ -1,0 +1,160 @@
+"""The built book as a reader's browser shows it: every page of `_build/html` in headless
+Chromium (Debian's `chromium`; `.ci/run` installs it), served over local HTTP.
+
+A page fails on a console error or an uncaught exception, on a table wider than the text that
+does not scroll, or on a block player whose frame stays put when its controls are used. The
+scripts a page loads from a CDN (MathJax, require.js, the widget manager) are served from the
+same versions' npm packages, fetched once into `_build/cdn`, so the test sees what an online
+reader sees without depending on those hosts. Screenshots at 1280 px go to `_build/screenshots`.
+"""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import mimetypes
+import re
+import shutil
+import subprocess
+import tarfile
+import threading
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BUILT = ROOT / "_build" / "html"
+CDN_CACHE = ROOT / "_build" / "cdn"
+SHOTS = ROOT / "_build" / "screenshots"
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+PAGES = sorted(p for p in BUILT.rglob("*.html")
+               if not {"_static", "_sources"} & set(p.relative_to(BUILT).parts)
+               and p.name not in ("genindex.html", "search.html")) if BUILT.exists() else []
+
+# CDN addresses the built pages use, as (npm package, version, path inside the package).
+NPM_URL = re.compile(r"^https://(?:cdn\.jsdelivr\.net|unpkg\.com)/npm/"
+                     r"(?P<pkg>(?:@[^/@]+/)?[^/@]+)@(?P<version>[^/]+)/(?P<path>.+)$")
+REQUIRE_URL = re.compile(r"^https://cdnjs\.cloudflare\.com/ajax/libs/require\.js/"
+                         r"(?P<version>[^/]+)/require(?:\.min)?\.js$")
+
+pytestmark = pytest.mark.skipif(not BUILT.exists(),
+                                reason="the book is not built (`make test` builds it first)")
+
+
+@functools.cache
+def npm_package(pkg: str, version: str) -> Path:
+    """The unpacked npm package ``pkg@version`` (``npm pack``, cached under _build/cdn)."""
+    dest = CDN_CACHE / f"{pkg.replace('/', '+')}@{version}"
+    if not dest.exists():
+        CDN_CACHE.mkdir(parents=True, exist_ok=True)
+        tgz = subprocess.run(["npm", "pack", "--silent", f"{pkg}@{version}",
+                              "--pack-destination", str(CDN_CACHE)],
+                             capture_output=True, text=True, check=True).stdout.split()[-1]
+        with tarfile.open(CDN_CACHE / tgz) as tar:
+            tar.extractall(dest, filter="data")
+        (CDN_CACHE / tgz).unlink()
+    return dest / "package"
+
+
+def cdn_file(url: str) -> Path | None:
+    """The local copy of a CDN url, or None for a url this test does not know."""
+    if m := REQUIRE_URL.match(url):
+        return npm_package("requirejs", m["version"]) / "require.js"
+    if m := NPM_URL.match(url.split("?")[0]):
+        return npm_package(m["pkg"], m["version"]) / m["path"]
+    return None
+
+
+@pytest.fixture(scope="module")
+def server():
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(BUILT))
+    handler.log_message = lambda *args: None
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    sync_api = pytest.importorskip("playwright.sync_api")
+    if not Path(CHROMIUM).exists():
+        pytest.fail("no chromium: `apt-get install -y chromium` (.ci/run does it)")
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        yield b
+        b.close()
+
+
+# Where each table's right edge is against the text column, and whether something scrolls it.
+TABLES_JS = """() => {
+  const text = document.querySelector("main article, main, body").getBoundingClientRect();
+  const scrolls = (el) => {
+    for (let a = el; a && a !== document.body; a = a.parentElement) {
+      const o = getComputedStyle(a).overflowX;
+      if ((o === "auto" || o === "scroll") && a.getBoundingClientRect().right <= text.right + 1)
+        return true;
+    }
+    return false;
+  };
+  return [...document.querySelectorAll("main table")].filter((t) => t.offsetParent)
+    .filter((t) => t.getBoundingClientRect().right > text.right + 1 && !scrolls(t))
+    .map((t) => t.innerText.slice(0, 80));
+}"""
+
+VISIBLE_FRAME_JS = """(player) => [...player.querySelectorAll('.pagedlab-frame')]
+  .findIndex((f) => !f.hidden)"""
+
+
+def check_page(page, url: str) -> list[str]:
+    problems, external = [], []
+
+    def route(r):
+        url = r.request.url
+        if url.startswith("http://127.0.0.1"):
+            return r.continue_()
+        local = cdn_file(url)
+        if local is not None and local.is_file():
+            return r.fulfill(path=str(local),
+                             content_type=mimetypes.guess_type(local.name)[0] or "text/plain")
+        if r.request.resource_type in ("script", "stylesheet", "xhr", "fetch"):
+            external.append(url)
+        return r.abort()
+
+    page.route("**/*", route)
+    page.on("console", lambda m: m.type == "error" and problems.append(f"console: {m.text}"))
+    page.on("pageerror", lambda e: problems.append(f"uncaught: {e}"))
+    page.goto(url, wait_until="load")
+    page.wait_for_function("!window.MathJax || !MathJax.startup || MathJax.startup.promise")
+    page.evaluate("() => window.MathJax && MathJax.startup && MathJax.startup.promise")
+    problems += [f"script from an unknown CDN: {u}" for u in external]
+    problems += [f"table wider than the page and not scrolled: {t!r}"
+                 for t in page.evaluate(TABLES_JS)]
+    for i, player in enumerate(page.query_selector_all(".pagedlab-player")):
+        before = page.evaluate(VISIBLE_FRAME_JS, player)
+        player.query_selector("[data-act=prev]" if before > 0 else "[data-act=next]").click()
+        after = page.evaluate(VISIBLE_FRAME_JS, player)
+        slider = player.query_selector("input[type=range]")
+        slider.fill("0")  # a range input: sets the value and fires input, as a drag does
+        at_zero = page.evaluate(VISIBLE_FRAME_JS, player)
+        if before < 0 or after in (before, -1) or at_zero != 0:
+            problems.append(f"player {i}: frame {before} -> {after} after a button, "
+                            f"{at_zero} after the slider went to 0")
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    name = url.split("/", 3)[-1].replace("/", "_").removesuffix(".html")
+    page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
+    return problems
+
+
+@pytest.mark.parametrize("path", PAGES, ids=lambda p: str(p.relative_to(BUILT)))
+def test_page_reads_in_a_browser(path, server, browser):
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    try:
+        problems = check_page(page, f"{server}/{path.relative_to(BUILT).as_posix()}")
+    finally:
+        page.close()
+    assert not problems, "\n".join(problems)
+
+
+def test_every_chapter_page_was_found():
+    assert {p.stem for p in (ROOT / "book").glob("ch*.md")} <= {p.stem for p in PAGES}
