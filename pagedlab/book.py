@@ -98,3 +98,26 @@ def excerpt(fn, first: str, last: str) -> None:
     if j is None:
         raise ValueError(f"no line of {fn.__name__}'s source after {first!r} contains {last!r}")
     display(Source(textwrap.dedent("\n".join(lines[i : j + 1]))))
+
+
+RESULTS_URL = "https://raw.githubusercontent.com/pagedlab/pagedlab/main/benchmarks/results"
+
+
+def gpu_results(name: str) -> dict:
+    """A GPU measurement committed in ``benchmarks/results/<name>.json``, with its machine and
+    date, for a chapter run without a GPU: from the repository beside the book, or (a pip
+    install on Colab) from the repository online."""
+    import json
+    import urllib.request
+    from pathlib import Path
+
+    for root in (Path.cwd().parent, Path(__file__).resolve().parents[1]):  # book/ runs chapters
+        path = root / "benchmarks" / "results" / f"{name}.json"
+        if path.exists():
+            return json.loads(path.read_text())
+    try:
+        with urllib.request.urlopen(f"{RESULTS_URL}/{name}.json", timeout=20) as response:
+            return json.loads(response.read())
+    except OSError as err:
+        raise FileNotFoundError(f"benchmarks/results/{name}.json is neither beside the book "
+                                f"nor reachable at {RESULTS_URL}: {err}") from err

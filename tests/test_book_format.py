@@ -83,3 +83,13 @@ def test_bound_takes_a_tensor_as_the_chapters_compute_it():
     import torch
 
     assert bound(torch.tensor([1e-9, 1.5e-8], dtype=torch.float64).max()) == "2e-08"
+
+
+@pytest.mark.parametrize("name", ["swap-gpu", "split-kv-gpu", "decode-gpu"])
+def test_committed_gpu_results_name_their_machine_and_date(name):
+    from pagedlab.book import gpu_results
+
+    run = gpu_results(name)
+    assert run["device"].startswith("NVIDIA") or "H200" in run["device"]
+    if "rows" in run:
+        assert run["date"] and all(len(r) == len(run["columns"]) for r in run["rows"])
