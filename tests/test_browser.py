@@ -27,6 +27,8 @@ BUILT = ROOT / "_build" / "html"
 CDN_CACHE = ROOT / "_build" / "cdn"
 SHOTS = ROOT / "_build" / "screenshots"
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 PAGES = sorted(p for p in BUILT.rglob("*.html")
                if not {"_static", "_sources"} & set(p.relative_to(BUILT).parts)
                and p.name not in ("genindex.html", "search.html")) if BUILT.exists() else []
@@ -81,7 +83,7 @@ def browser():
     if not Path(CHROMIUM).exists():
         pytest.fail("no chromium: `apt-get install -y chromium` (.ci/run does it)")
     with sync_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         yield b
         b.close()
 
