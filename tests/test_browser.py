@@ -2,7 +2,7 @@
 Chromium (Debian's `chromium`; `.ci/run` installs it), served over local HTTP.
 
 A page fails on a console error or an uncaught exception, on a table wider than the text that
-does not scroll, or on a block player whose frame stays put when its controls are used. The
+does not scroll, on code cut off on the right, or on a block player whose frame stays put when its controls are used. The
 scripts a page loads from a CDN (MathJax, require.js, the widget manager) are served from the
 same versions' npm packages, fetched once into `_build/cdn`, so the test sees what an online
 reader sees without depending on those hosts. Screenshots at 1280 px go to `_build/screenshots`.
@@ -104,6 +104,10 @@ TABLES_JS = """() => {
     .map((t) => t.innerText.slice(0, 80));
 }"""
 
+# Code cells whose text is wider than their box (cut off on the right).
+CODE_JS = """() => [...document.querySelectorAll("div.cell_input pre")]
+  .filter((p) => p.scrollWidth > p.clientWidth + 1).map((p) => p.innerText.slice(0, 60))"""
+
 VISIBLE_FRAME_JS = """(player) => [...player.querySelectorAll('.pagedlab-frame')]
   .findIndex((f) => !f.hidden)"""
 
@@ -132,6 +136,7 @@ def check_page(page, url: str) -> list[str]:
     problems += [f"script from an unknown CDN: {u}" for u in external]
     problems += [f"table wider than the page and not scrolled: {t!r}"
                  for t in page.evaluate(TABLES_JS)]
+    problems += [f"code cut off on the right: {c!r}" for c in page.evaluate(CODE_JS)]
     for i, player in enumerate(page.query_selector_all(".pagedlab-player")):
         before = page.evaluate(VISIBLE_FRAME_JS, player)
         player.query_selector("[data-act=prev]" if before > 0 else "[data-act=next]").click()
