@@ -145,10 +145,6 @@ class Book:
 
 # --- the conversion --------------------------------------------------------------------------
 
-class MissingValue(KeyError):
-    """A glued name with no value from a book build."""
-
-
 @dataclass
 class Converter:
     """Rewrites one chapter's markdown; ``glue`` maps names to the text the book shows."""

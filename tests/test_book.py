@@ -3,7 +3,6 @@
 import re
 from pathlib import Path
 
-import jupytext
 import nbformat
 import pytest
 import yaml
