@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import json
 import ast
 import re
 import sys
@@ -294,21 +295,19 @@ class Converter:
 
 
 def built_glue(stem: str, build: Path = BUILD) -> dict[str, str] | None:
-    """The glued values (as the book shows them) of the last book build, if there is one."""
-    path = build / f"{stem}.ipynb"
+    """The glued values (as the book shows them) of the last book build, if there is one:
+    MyST-NB writes each chapter's glue beside its executed notebook."""
+    path = build / f"{stem}.glue.json"
     if not path.exists():
         return None
     values = {}
-    for cell in nbformat.read(path, as_version=4).cells:
-        for out in cell.get("outputs", []):
-            scrap = out.get("metadata", {}).get("scrapbook")
-            if scrap:
-                text = out["data"][scrap["mime_prefix"] + "text/plain"]
-                try:
-                    value = ast.literal_eval(text)
-                    values[scrap["name"]] = value if isinstance(value, str) else text
-                except (ValueError, SyntaxError):
-                    values[scrap["name"]] = text
+    for name, output in json.loads(path.read_text()).items():
+        text = output["data"]["text/plain"]
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            value = text
+        values[name] = value if isinstance(value, str) else text
     return values
 
 
