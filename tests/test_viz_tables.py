@@ -20,6 +20,7 @@ def test_numeric_columns_are_right_aligned_and_text_left():
         assert ("text-align:right" in style) == (i % 4 != 0)
     assert "overflow-x:auto" in root.get("style"), "a table wider than the page must scroll"
     assert [c.text for c in cells[4:8]] == ["azure_conv_2023", "4.0", "39%", "1.2x"]
+    assert "white-space:nowrap" in cells[4].get("style"), "a short name must not break"
 
 
 def test_text_keeps_columns_apart_and_aligned():

@@ -12,6 +12,7 @@ import re
 
 NUMBER = re.compile(r"^[+\-\u2212~<>\u2248]?\s*\$?[\d.,]+")  # "1,663", "-4%", "0.81x", "~2 GiB"
 CELL = "padding:0.25em 0.75em;border-bottom:1px solid #ddd;"
+SHORT = "white-space:nowrap;"
 
 
 class Table:
@@ -47,9 +48,10 @@ class Table:
         align = ["text-align:right;white-space:nowrap;" if num else "text-align:left;"
                  for num in self.numeric()]
 
-        def row(cells, tag):
-            return "<tr>" + "".join(f'<{tag} style="{CELL}{a}">{html.escape(c)}</{tag}>'
-                                    for c, a in zip(cells, align)) + "</tr>"
+        def row(cells, tag):  # short text stays on one line: no "Llama-2-" above "7B"
+            return "<tr>" + "".join(
+                f'<{tag} style="{CELL}{a}{SHORT if tag == "td" and len(c) <= 24 else ""}">'
+                f"{html.escape(c)}</{tag}>" for c, a in zip(cells, align)) + "</tr>"
 
         body = "".join(row(r, "td") for r in self.rows)
         return (f'<div class="pagedlab-table" style="overflow-x:auto;max-width:100%;">'
