@@ -20,10 +20,11 @@ test: book pytest
 pytest: $(READY)
 	$(BIN)/python -m pytest
 
-# Regenerate what is derived from a single source: Colab notebooks from chapter sources,
-# student notebooks from solution notebooks. Tests fail when these are stale.
+# Regenerate what is derived from a single source: Colab notebooks from chapter sources (plain
+# Markdown, with the glued values of the last `make book`), student notebooks from solution
+# notebooks. Tests fail when these are stale.
 notebooks: $(READY)
-	$(BIN)/jupytext --to ipynb --update-metadata '{"jupytext": null}' book/ch*.md
+	$(BIN)/python -m pagedlab.colab book/ch*.md
 	$(BIN)/python -m pagedlab.assignments notebooks/solutions notebooks/student
 
 clean:

@@ -3,10 +3,11 @@
 import re
 from pathlib import Path
 
-import jupytext
 import nbformat
 import pytest
 import yaml
+
+from pagedlab import colab
 
 tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
 
@@ -32,22 +33,67 @@ def test_every_chapter_is_in_the_toc_and_every_toc_entry_exists():
     assert {f"book/{c.stem}" for c in CHAPTERS} <= set(listed)
 
 
+@pytest.fixture(scope="module")
+def book():
+    return colab.Book.scan(CHAPTERS)
+
+
 @pytest.mark.parametrize("chapter", CHAPTERS, ids=lambda p: p.stem)
-def test_colab_notebook_matches_its_chapter(chapter):
-    """The launch button opens book/<chapter>.ipynb; it must hold the chapter's cells."""
-    colab = chapter.with_suffix(".ipynb")
-    assert colab.exists(), f"{colab.name} missing: run `make notebooks`"
-    source = jupytext.read(chapter)
-    copy = nbformat.read(colab, as_version=4)
+def test_colab_notebook_is_what_its_chapter_converts_to(chapter, book):
+    """The launch button opens book/<chapter>.ipynb: regenerated from the chapter with the
+    glued values it stores, it must come out the same, with a value for every glued name."""
+    path = chapter.with_suffix(".ipynb")
+    assert path.exists(), f"{path.name} missing: run `make notebooks`"
+    copy = nbformat.read(path, as_version=4)
+    fresh, missing = colab.convert(chapter, book, colab.stored_glue(path))
     as_pairs = lambda nb: [(c.cell_type, c.source, c.metadata.get("tags", [])) for c in nb.cells]
-    assert as_pairs(copy) == as_pairs(source), f"{colab.name} is stale: run `make notebooks`"
-    assert not any(c.get("outputs") for c in copy.cells), f"{colab.name} must be stored without outputs"
+    assert as_pairs(copy) == as_pairs(fresh), f"{path.name} is stale: run `make notebooks`"
+    assert not missing, f"{path.name} lacks glued values {sorted(missing)}: `make book notebooks`"
+    assert not any(c.get("outputs") for c in copy.cells), f"{path.name} must be stored without outputs"
 
 
 @pytest.mark.parametrize("chapter", CHAPTERS, ids=lambda p: p.stem)
-def test_chapter_installs_pagedlab_on_colab_first(chapter):
-    first = next(c for c in jupytext.read(chapter).cells if c.cell_type == "code")
+def test_colab_notebook_has_no_myst_left(chapter):
+    """Colab renders plain Markdown: a role, directive or label left over shows as raw text."""
+    cells = nbformat.read(chapter.with_suffix(".ipynb"), as_version=4).cells
+    left = [m.group(0) for c in cells if c.cell_type == "markdown"
+            for m in colab.LEFTOVER.finditer(c.source)]
+    assert not left, f"{chapter.stem}: MyST left in the Colab copy: {left[:5]}"
+
+
+def test_converter_turns_every_myst_form_into_markdown(book):
+    """Forms other chapters use (admonitions, dropdowns, glossary, figures) convert too."""
+    text = "\n".join([
+        "(sec-x)=", "## A section", "",
+        "```{admonition} Then and now", ":class: tip", "", "vLLM {cite:t}`kwon2023pagedattention`.", "```",
+        ":::{dropdown} Hint", "Use {term}`a block <block>` and {glue:text}`n`.", ":::",
+        "````{note}", "```{prf:proof}", "Trivial.", "```", "````",
+        "```{glossary}", "block", "  A fixed-size run of {math}`k` slots.", "```",
+        "```{figure} fig.svg", ":name: fig-x", ":width: 600px", "", "The caption.", "```",
+        "See {ref}`sec-x`, {ref}`the chapter <ch-paging>` and {numref}`fig-x`.",
+        "```python", "x = {cite}`not a role in code`", "```",
+    ])
+    conv = colab.Converter(colab.Book({**book.targets, "sec-x": colab.Target("here", "A section"),
+                                       "fig-x": colab.Target("here", "Figure")},
+                                      book.references), "here", {"n": "16"})
+    out = conv.markdown(text)
+    assert not colab.LEFTOVER.search(out.replace("{cite}`not a role in code`", "")), out
+    assert "> **Then and now**" in out and "Kwon et al. (2023)" in out
+    assert "<details><summary>Hint</summary>" in out and "a block and 16." in out
+    assert "**Proof.**" in out and "**block**: A fixed-size run of $k$ slots." in out
+    assert '<img src="https://raw.githubusercontent.com/' in out and "*The caption.*" in out
+    assert "[A section](#sec-x)" in out and "](https://colab.research.google.com/" in out
+    assert "x = {cite}`not a role in code`" in out, "code fences are copied as they are"
+    with pytest.raises(ValueError, match="no Colab form"):
+        conv.markdown("```{unheardof}\nx\n```")
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS, ids=lambda p: p.stem)
+def test_colab_notebook_installs_pagedlab_first_and_visibly(chapter):
+    first = nbformat.read(chapter.with_suffix(".ipynb"), as_version=4).cells[0]
+    assert first.cell_type == "code"
     assert "pip install" in first.source and "pagedlab" in first.source
+    assert not first.metadata.get("tags"), "Colab shows every cell; the book may hide it"
 
 
 def test_citations_exist_in_the_bibliography():
@@ -107,3 +153,25 @@ def test_every_term_a_page_uses_is_in_the_glossary():
             for p in (ROOT / "book").glob("*.md")
             for t in re.findall(r"\{term\}`([^`]+)`", p.read_text())}
     assert used and used <= terms, used - terms
+
+
+def test_bibliography_is_author_year_and_sorted_without_regard_to_case():
+    """The book's pybtex style (book/_ext): labels as the text cites, A to Z whatever the case
+    or braces of a name ({NVIDIA}, vLLM), and no raw TeX left in a rendered entry."""
+    import importlib.util
+
+    from pybtex.database import parse_file
+
+    spec = importlib.util.spec_from_file_location("pagedlab_bib", ROOT / "book/_ext/pagedlab_bib.py")
+    bib_style = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bib_style)
+    data = parse_file(str(ROOT / "book" / "references.bib"))
+    entries = list(bib_style.AuthorYearStyle().format_bibliography(data))
+    labels = {e.key: e.label for e in entries}
+    assert labels["kwon2023pagedattention"] == "Kwon et al., 2023"
+    assert labels["milakov2018online"] == "Milakov and Gimelshein, 2018"
+    names = [e.label.rsplit(",", 1)[0].casefold() for e in entries]
+    assert names == sorted(names), names
+    assert len(set(labels.values())) == len(labels), "equal author-year labels need a, b"
+    texts = [e.text.render_as("text") for e in entries]
+    assert not [t for t in texts if "$" in t or "\\" in t], "raw TeX in the bibliography"

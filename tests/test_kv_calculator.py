@@ -1,6 +1,7 @@
 """The calculator's text summary: the numbers chapter 1 quotes, and the no-fit case."""
 
-from pagedlab.viz.kv_calculator import DEFAULTS, kv_calculator, kv_summary
+from pagedlab.footprint import MODELS
+from pagedlab.viz.kv_calculator import DEFAULTS, kv_calculator, kv_presets, kv_summary
 
 
 def test_default_summary_quotes_table1():
@@ -20,3 +21,16 @@ def test_widget_builds_with_every_control():
     values = {w.description: w.value for row in box.children[:2] for w in row.children}
     assert values == {"model": "DeepSeek-V3", "KV dtype": "fp16", "GPU": "H200", "GPUs": 8,
                       "weights": "fp8", "context": 2048}
+
+
+def test_presets_table_lists_every_model_on_the_fewest_gpus_that_hold_it():
+    """What the published page shows in place of live controls: Table 1's OPT-13B row (800 KiB
+    a token, 7 sequences of 2,048 on one A100-40GB), and OPT-175B's 325 GiB of fp16 weights
+    beyond eight 40 GB cards."""
+    table = kv_presets()
+    rows = {row[0]: row for row in table.rows}
+    assert set(rows) == set(MODELS)
+    assert rows["OPT-13B"][2:4] == ["800.0", "1.562"] and rows["OPT-13B"][5:] == ["1", "7"]
+    assert rows["OPT-175B"][5:] == ["> 8", ""]
+    assert rows["Llama-3-70B"][5] == "4", "70e9 fp16 weights need more than three 40 GB cards"
+    assert all(table.numeric()[2:])

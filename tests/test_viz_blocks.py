@@ -176,23 +176,32 @@ def test_every_snapshot_renders_well_formed_svg_and_a_matching_view():
     assert {"32/32", "8/32"} <= {t.text for t in root.iter(f"{SVG}text")}
 
 
-def test_the_player_steps_over_every_event():
+def test_the_player_holds_a_frame_per_event_and_shows_one():
+    """Every step is pre-rendered, so the page needs no kernel; only the start step shows
+    before the script runs, and the script drives the slider, buttons and frames it names."""
     mgr = shared_prefix_manager()
     player = BlockPlayer.of(mgr)
-    n = len(mgr.events)
-    assert (player.slider.min, player.slider.max, player.slider.value) == (0, n, n)
-    assert (player.play.min, player.play.max) == (0, n)
-    player.show(0)
-    assert "step 0 of" in player.caption.value and "empty pool" in player.caption.value
+    snaps, n = history(mgr), len(mgr.events)
+    assert (player.last, player.step) == (n, n)
     player.show(-5)
-    assert player.slider.value == 0
+    assert player.step == 0
     player.show(3)
-    assert "copy-on-write" in player.caption.value and ">copy<" in player.picture.value
-    log = event_log(history(mgr)).splitlines()
-    assert len(log) == n and log[2] == " 3. " + history(mgr)[3].caption
-    player.show(n + 10)
-    assert player.slider.value == n and player.picture.value == block_svg(
-        history(mgr)[-1], colors=player._view["colors"])
+    html = player._repr_html_()
+    frames = re.findall(r'<div class="pagedlab-frame" data-step="(\d+)"( hidden)?>(.*?)</svg></div>',
+                        html, re.S)
+    assert [int(k) for k, _, _ in frames] == list(range(n + 1))
+    assert [k for k, hidden, _ in frames if not hidden] == ["3"]
+    assert "step 0 of" in frames[0][2] and "empty pool" in frames[0][2]
+    assert "copy-on-write" in frames[3][2] and ">copy<" in frames[3][2]
+    for k, _, frame in frames:
+        svg = block_svg(snaps[int(k)], colors=player._view["colors"])
+        assert frame + "</svg>" == player.frame(int(k)) and (frame + "</svg>").endswith(svg)
+    root = re.search(r'class="pagedlab-player" id="([\w-]+)"', html)[1]
+    assert f'getElementById("{root}")' in html and f'max="{n}" value="3"' in html
+    assert root != re.search(r'id="([\w-]+)"', BlockPlayer.of(mgr)._repr_html_())[1]
+    assert repr(player).startswith("step 3 of") and snaps[3].summary() in repr(player)
+    log = event_log(snaps).splitlines()
+    assert len(log) == n and log[2] == " 3. " + snaps[3].caption
 
 
 def test_misuse_is_reported():

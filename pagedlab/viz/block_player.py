@@ -1,24 +1,53 @@
 """A step-through player over a manager's history: slider, play, previous and next (ch. 4-5).
 
 Step ``k`` shows the state after the first ``k`` events (step 0: the empty pool), drawn by
-:func:`pagedlab.viz.block_view.block_svg`, under a one-line caption of the event. The picture
-lives in an HTML widget, so the book's embedded widget state shows the starting step even
-where no kernel runs; moving the slider needs one.
+:func:`pagedlab.viz.block_view.block_svg`, under a one-line caption of the event. Every step
+is rendered to SVG in Python, once, and the player is a self-contained piece of HTML whose few
+lines of JavaScript only show one frame and hide the others: it works the same in the published
+HTML book (no kernel behind it), in Jupyter and in Colab. Without JavaScript (a notebook
+viewer) it shows the starting step; in a terminal or under nbval its repr is that step's text.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from html import escape
-
-import ipywidgets as widgets
 
 from pagedlab.memory import KVCacheManager
 from pagedlab.viz.block_replay import Snapshot, history
 from pagedlab.viz.block_view import block_svg, seq_colors
 
+_ids = itertools.count()
 
-class BlockPlayer(widgets.VBox):
+# Moves the player rooted at ROOT to a step; the controls and the play timer call it.
+_SCRIPT = """
+(function () {
+  var root = document.getElementById("ROOT"), slider = root.querySelector("input");
+  var frames = root.querySelectorAll(".pagedlab-frame"), last = frames.length - 1, timer = null;
+  var play = root.querySelector("[data-act=play]");
+  function show(k) {
+    k = Math.max(0, Math.min(last, k));
+    frames.forEach(function (f, i) { f.hidden = i !== k; });
+    slider.value = k;
+  }
+  function stop() { clearInterval(timer); timer = null; play.textContent = "\\u25b6 play"; }
+  slider.addEventListener("input", function () { stop(); show(+slider.value); });
+  root.querySelector("[data-act=prev]").onclick = function () { stop(); show(+slider.value - 1); };
+  root.querySelector("[data-act=next]").onclick = function () { stop(); show(+slider.value + 1); };
+  play.onclick = function () {
+    if (timer) { stop(); return; }
+    if (+slider.value === last) show(0);
+    play.textContent = "\\u275a\\u275a pause";
+    timer = setInterval(function () {
+      if (+slider.value >= last) stop(); else show(+slider.value + 1);
+    }, INTERVAL);
+  };
+})();
+"""
+
+
+class BlockPlayer:
     """Steps through ``snapshots`` (from :func:`~pagedlab.viz.block_replay.replay`), starting
     at step ``start`` (default: the last); ``interval_ms`` paces the play button."""
 
@@ -27,25 +56,11 @@ class BlockPlayer(widgets.VBox):
         if not snapshots:
             raise ValueError("a player needs at least one snapshot")
         self.snapshots = list(snapshots)
+        self.last = len(self.snapshots) - 1
+        self.interval_ms = interval_ms
         self._view = {"colors": seq_colors(self.snapshots), **view_options}
-        last = len(self.snapshots) - 1
-        start = last if start is None else start
-        self.slider = widgets.IntSlider(value=start, min=0, max=last, description="step",
-                                        continuous_update=True)
-        self.play = widgets.Play(value=start, min=0, max=last, interval=interval_ms)
-        widgets.jslink((self.play, "value"), (self.slider, "value"))
-        prev = widgets.Button(description="<", tooltip="previous event",
-                              layout=widgets.Layout(width="36px"))
-        nxt = widgets.Button(description=">", tooltip="next event",
-                             layout=widgets.Layout(width="36px"))
-        prev.on_click(lambda _: self.show(self.slider.value - 1))
-        nxt.on_click(lambda _: self.show(self.slider.value + 1))
-        self.caption = widgets.HTML()
-        self.picture = widgets.HTML()
-        self.slider.observe(lambda change: self._draw(change["new"]), names="value")
-        self._draw(start)
-        super().__init__([widgets.HBox([self.play, prev, self.slider, nxt]), self.caption,
-                          self.picture])
+        self.step = self.last
+        self.show(self.last if start is None else start)
 
     @classmethod
     def of(cls, mgr: KVCacheManager, **options) -> BlockPlayer:
@@ -53,11 +68,30 @@ class BlockPlayer(widgets.VBox):
         return cls(history(mgr), **options)
 
     def show(self, step: int) -> None:
-        """Move to ``step``, clamped to the recorded range."""
-        self.slider.value = max(self.slider.min, min(self.slider.max, step))
+        """Start at ``step``, clamped to the recorded range."""
+        self.step = max(0, min(self.last, step))
 
-    def _draw(self, step: int) -> None:
+    def frame(self, step: int) -> str:
+        """The HTML of one step: its caption over its picture."""
         snap = self.snapshots[step]
-        self.caption.value = (f"<b>step {step} of {len(self.snapshots) - 1}</b>: "
-                              f"{escape(snap.caption)}")
-        self.picture.value = block_svg(snap, **self._view)
+        return (f'<div style="margin:0.3em 0"><b>step {step} of {self.last}</b>: '
+                f"{escape(snap.caption)}</div>{block_svg(snap, **self._view)}")
+
+    def _repr_html_(self) -> str:
+        root = f"pagedlab-player-{next(_ids)}"
+        frames = "".join(
+            f'<div class="pagedlab-frame" data-step="{k}"{"" if k == self.step else " hidden"}>'
+            f"{self.frame(k)}</div>" for k in range(self.last + 1))
+        button = '<button type="button" data-act="{}" title="{}">{}</button>'
+        controls = (button.format("play", "play all steps", "&#9654; play")
+                    + button.format("prev", "previous event", "&lt;")
+                    + f'<input type="range" min="0" max="{self.last}" value="{self.step}" '
+                      f'aria-label="step" style="width:min(24em,60%);vertical-align:middle">'
+                    + button.format("next", "next event", "&gt;"))
+        script = _SCRIPT.replace("ROOT", root).replace("INTERVAL", str(self.interval_ms))
+        return (f'<div class="pagedlab-player" id="{root}" style="max-width:100%;overflow-x:auto">'
+                f"<div>{controls}</div>{frames}<script>{script}</script></div>")
+
+    def __repr__(self) -> str:
+        snap = self.snapshots[self.step]
+        return f"step {self.step} of {self.last}: {snap.caption}\n{snap.summary()}"

@@ -1,7 +1,8 @@
 """An ipywidgets KV-cache calculator: bytes per token and per request, and what fits on GPUs.
 
 The text comes from :func:`kv_summary`, a pure function, so a notebook can print it for the
-defaults (what nbval and the static book see) beside the live widget.
+defaults (what nbval sees) beside the live widget. A published page has no kernel behind its
+controls, so :func:`kv_presets` tabulates every model preset for the book to show as well.
 """
 
 from __future__ import annotations
@@ -9,8 +10,11 @@ from __future__ import annotations
 import ipywidgets as widgets
 
 from pagedlab.dtypes import DTYPE_BYTES
-from pagedlab.footprint import MODELS, get_model, kv_bytes, kv_bytes_per_token, kv_capacity
+from pagedlab.footprint import (
+    MODELS, get_model, kv_bytes, kv_bytes_per_token, kv_capacity, weight_bytes,
+)
 from pagedlab.hardware import GPUS, GiB, KiB
+from pagedlab.viz.tables import Table
 
 DEFAULTS = dict(
     model="OPT-13B", dtype="fp16", gpu="A100-40GB", context_len=2048, num_gpus=1,
@@ -40,6 +44,24 @@ def kv_summary(
         f"KV room:         {cap.kv_bytes / GiB:,.2f} GiB = {cap.token_slots:,} token slots",
         f"Max sequences:   {cap.token_slots // context_len:,} of {context_len:,} tokens at once",
     ])
+
+
+def kv_presets(gpu: str = DEFAULTS["gpu"], context_len: int = DEFAULTS["context_len"],
+               dtype: str = DEFAULTS["dtype"], weight_dtype: str = DEFAULTS["weight_dtype"]) -> Table:
+    """Every model preset on the fewest of ``gpu`` (1, 2, 4 or 8) that hold its weights."""
+    rows = []
+    for name in MODELS:
+        m = get_model(name)
+        fits = [(n, cap) for n in (1, 2, 4, 8) if (cap := kv_capacity(
+            m, gpu, num_gpus=n, dtype=dtype, weight_dtype=weight_dtype)).weights_fit]
+        gpus, seqs = (f"{fits[0][0]}", f"{fits[0][1].token_slots // context_len:,}") if fits \
+            else ("> 8", "")
+        rows.append([m.name, m.attention.upper(), f"{kv_bytes_per_token(m, dtype) / KiB:,.1f}",
+                     f"{kv_bytes(m, context_len, dtype) / GiB:,.3f}",
+                     f"{weight_bytes(m, weight_dtype) / GiB:,.1f}", gpus, seqs])
+    return Table(["model", "attention", "KV per token (KiB)",
+                  f"KV per {context_len:,}-token request (GiB)", f"weights in {weight_dtype} (GiB)",
+                  f"{gpu}s needed", f"sequences of {context_len:,} tokens"], rows)
 
 
 def kv_calculator(**initial) -> widgets.VBox:

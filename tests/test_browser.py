@@ -1,0 +1,201 @@
+"""The built book as a reader's browser shows it: every page of `_build/html` in headless
+Chromium (Debian's `chromium`; `.ci/run` installs it), served over local HTTP.
+
+A page fails on a console error or an uncaught exception, on a table wider than the text that
+does not scroll, on code cut off on the right, or on a block player whose frame stays put when its controls are used. The
+scripts a page loads from a CDN (MathJax, require.js, the widget manager) are served from the
+same versions' npm packages, fetched once into `_build/cdn`, so the test sees what an online
+reader sees without depending on those hosts. Screenshots at 1280 px go to `_build/screenshots`.
+"""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import mimetypes
+import re
+import shutil
+import subprocess
+import tarfile
+import threading
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BUILT = ROOT / "_build" / "html"
+CDN_CACHE = ROOT / "_build" / "cdn"
+SHOTS = ROOT / "_build" / "screenshots"
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+PAGES = sorted(p for p in BUILT.rglob("*.html")
+               if not {"_static", "_sources"} & set(p.relative_to(BUILT).parts)
+               and p.name not in ("genindex.html", "search.html")
+               and 'http-equiv="Refresh"' not in p.read_text()) if BUILT.exists() else []
+
+# What third-party code says whoever wrote the book: sphinx-thebe 0.3 declares the same
+# constant in two inline scripts; pydata-sphinx-theme notes that no colour mode is stored yet;
+# the widget manager (@jupyter-widgets/html-manager 1.0, which shows chapter 1's calculator)
+# typesets with MathJax 2's `MathJax.Hub.Queue` while Sphinx loads MathJax 3, and looks for its
+# icon fonts beside the page. Any other message, and any other missing file, fails the page.
+THIRD_PARTY_NOISE = ("Identifier 'THEBE_JS_URL' has already been declared",
+                     "Got invalid theme mode", "reading 'Queue'")
+THIRD_PARTY_MISSING = "/@jupyter-widgets/html-manager/dist/"
+
+# CDN addresses the built pages use, as (npm package, version, path inside the package).
+NPM_URL = re.compile(r"^https://(?:cdn\.jsdelivr\.net|unpkg\.com)/npm/"
+                     r"(?P<pkg>(?:@[^/@]+/)?[^/@]+)@(?P<version>[^/]+)/(?P<path>.+)$")
+REQUIRE_URL = re.compile(r"^https://cdnjs\.cloudflare\.com/ajax/libs/require\.js/"
+                         r"(?P<version>[^/]+)/require(?:\.min)?\.js$")
+
+pytestmark = pytest.mark.skipif(not BUILT.exists(),
+                                reason="the book is not built (`make test` builds it first)")
+
+
+@functools.cache
+def npm_package(pkg: str, version: str) -> Path:
+    """The unpacked npm package ``pkg@version`` (``npm pack``, cached under _build/cdn)."""
+    dest = CDN_CACHE / f"{pkg.replace('/', '+')}@{version}"
+    if not dest.exists():
+        CDN_CACHE.mkdir(parents=True, exist_ok=True)
+        tgz = subprocess.run(["npm", "pack", "--silent", f"{pkg}@{version}",
+                              "--pack-destination", str(CDN_CACHE)],
+                             capture_output=True, text=True, check=True).stdout.split()[-1]
+        with tarfile.open(CDN_CACHE / tgz) as tar:
+            tar.extractall(dest, filter="data")
+        (CDN_CACHE / tgz).unlink()
+    return dest / "package"
+
+
+def cdn_file(url: str) -> Path | None:
+    """The local copy of a CDN url, or None for a url this test does not know."""
+    if m := REQUIRE_URL.match(url):
+        return npm_package("requirejs", m["version"]) / "require.js"
+    if m := NPM_URL.match(url.split("?")[0]):
+        return npm_package(m["pkg"], m["version"]) / m["path"]
+    return None
+
+
+@pytest.fixture(scope="module")
+def server():
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    handler = functools.partial(Quiet, directory=str(BUILT))
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    sync_api = pytest.importorskip("playwright.sync_api")
+    if not Path(CHROMIUM).exists():
+        pytest.fail("no chromium: `apt-get install -y chromium` (.ci/run does it)")
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield b
+        b.close()
+
+
+# Where each table's right edge is against the text column, and whether something scrolls it.
+TABLES_JS = """() => {
+  const text = (document.querySelector("main article") || document.querySelector("main")
+                || document.body).getBoundingClientRect();
+  const scrolls = (el) => {
+    for (let a = el; a && a !== document.body; a = a.parentElement) {
+      const o = getComputedStyle(a).overflowX;
+      if ((o === "auto" || o === "scroll") && a.getBoundingClientRect().right <= text.right + 1)
+        return true;
+    }
+    return false;
+  };
+  return [...document.querySelectorAll("main table")].filter((t) => t.offsetParent)
+    .filter((t) => t.getBoundingClientRect().right > text.right + 1 && !scrolls(t))
+    .map((t) => t.innerText.slice(0, 80));
+}"""
+
+# Code cells whose text is wider than their box (cut off on the right).
+CODE_JS = """() => [...document.querySelectorAll("div.cell_input pre")]
+  .filter((p) => p.scrollWidth > p.clientWidth + 1).map((p) => p.innerText.slice(0, 60))"""
+
+VISIBLE_FRAME_JS = """(player) => [...player.querySelectorAll('.pagedlab-frame')]
+  .findIndex((f) => !f.hidden)"""
+
+
+def check_page(page, url: str) -> list[str]:
+    problems, external = [], []
+
+    def route(r):
+        url = r.request.url
+        if url.startswith("http://127.0.0.1") and r.request.resource_type == "document":
+            # A local copy is not the CDN's byte for byte: drop the integrity hashes of the
+            # scripts served locally, or the browser refuses them.
+            html = r.fetch().text()
+            html = re.sub(r'<script[^>]*src="https://[^>]*>',
+                          lambda tag: re.sub(r' integrity="[^"]*"', "", tag[0]), html)
+            return r.fulfill(body=html, content_type="text/html")
+        if url.startswith("http://127.0.0.1"):
+            return r.continue_()
+        local = cdn_file(url)
+        if local is not None and local.is_file():
+            return r.fulfill(path=str(local),
+                             content_type=mimetypes.guess_type(local.name)[0] or "text/plain")
+        if r.request.resource_type in ("script", "stylesheet", "xhr", "fetch"):
+            external.append(url)
+        return r.abort()
+
+    page.route("**/*", route)
+    def report(kind, text):
+        if not any(noise in text for noise in THIRD_PARTY_NOISE):
+            problems.append(f"{kind}: {text}")
+
+    def console(message):  # a failed load is reported with its address by on_response
+        if message.type == "error" and not message.text.startswith("Failed to load resource"):
+            report("console", message.text)
+
+    def on_response(response):
+        if response.status >= 400 and THIRD_PARTY_MISSING not in response.url:
+            problems.append(f"missing: {response.status} {response.url}")
+
+    page.on("console", console)
+    page.on("pageerror", lambda e: report("uncaught", str(e)))
+    page.on("response", on_response)
+    page.goto(url, wait_until="load")
+    page.wait_for_function("!window.MathJax || !MathJax.startup || MathJax.startup.promise")
+    page.evaluate("() => window.MathJax && MathJax.startup && MathJax.startup.promise")
+    problems += [f"script from an unknown CDN: {u}" for u in external]
+    problems += [f"table wider than the page and not scrolled: {t!r}"
+                 for t in page.evaluate(TABLES_JS)]
+    problems += [f"code cut off on the right: {c!r}" for c in page.evaluate(CODE_JS)]
+    for i, player in enumerate(page.query_selector_all(".pagedlab-player")):
+        before = page.evaluate(VISIBLE_FRAME_JS, player)
+        player.query_selector("[data-act=prev]" if before > 0 else "[data-act=next]").click()
+        after = page.evaluate(VISIBLE_FRAME_JS, player)
+        slider = player.query_selector("input[type=range]")
+        slider.fill("0")  # a range input: sets the value and fires input, as a drag does
+        at_zero = page.evaluate(VISIBLE_FRAME_JS, player)
+        if before < 0 or after in (before, -1) or at_zero != 0:
+            problems.append(f"player {i}: frame {before} -> {after} after a button, "
+                            f"{at_zero} after the slider went to 0")
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    name = url.split("/", 3)[-1].replace("/", "_").removesuffix(".html")
+    page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
+    return problems
+
+
+@pytest.mark.parametrize("path", PAGES, ids=lambda p: str(p.relative_to(BUILT)))
+def test_page_reads_in_a_browser(path, server, browser):
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    try:
+        problems = check_page(page, f"{server}/{path.relative_to(BUILT).as_posix()}")
+    finally:
+        page.close()
+    assert not problems, "\n".join(problems)
+
+
+def test_every_chapter_page_was_found():
+    assert {p.stem for p in (ROOT / "book").glob("ch*.md")} <= {p.stem for p in PAGES}
