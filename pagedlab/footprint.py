@@ -125,11 +125,12 @@ class KVCapacity:
     weight_bytes: int
     kv_bytes: int  # what the weights leave of the budget (0 if they do not fit)
     kv_bytes_per_token: int
+    kv_copies: int = 1  # GPUs that each hold a token's whole KV (replication under parallelism)
 
     @property
     def token_slots(self) -> int:
         """How many tokens' KV the cache holds."""
-        return self.kv_bytes // self.kv_bytes_per_token
+        return self.kv_bytes // (self.kv_bytes_per_token * self.kv_copies)
 
     @property
     def weights_fit(self) -> bool:
@@ -137,24 +138,49 @@ class KVCapacity:
         return self.weight_bytes <= self.budget_bytes
 
 
+def kv_copies(model, num_gpus: int = 1, decode_context_parallel: int = 1) -> int:
+    """How many of ``num_gpus`` tensor-parallel GPUs hold each token's KV.
+
+    Tensor parallelism splits the KV heads across GPUs; with fewer KV heads than GPUs each head
+    is replicated, and MLA's latent, shared by all heads, is replicated on every GPU. Decode
+    context parallelism (vLLM's ``-dcp``, SGLang's ``--dcp-size``) spreads a sequence's tokens
+    over ``decode_context_parallel`` of those replicas instead, so it must divide their count.
+    """
+    m = get_model(model)
+    check_positive("num_gpus", num_gpus, integer=True)
+    check_positive("decode_context_parallel", decode_context_parallel, integer=True)
+    heads = 1 if m.attention == "mla" else m.n_kv_heads  # KV "heads" that can be split
+    if heads % num_gpus and num_gpus % heads:
+        raise ValueError(f"num_gpus={num_gpus} must divide or be a multiple of {m.name}'s "
+                         f"{heads} KV heads for tensor parallelism")
+    replicas = max(1, num_gpus // heads)
+    if replicas % decode_context_parallel:
+        raise ValueError(f"decode_context_parallel={decode_context_parallel} must divide the "
+                         f"{replicas} copies of {m.name}'s KV on {num_gpus} GPUs")
+    return replicas // decode_context_parallel
+
+
 def kv_capacity(
     model, gpu, num_gpus: int = 1, dtype="fp16", gpu_memory_utilization: float = 0.9,
-    weight_dtype="fp16",
+    weight_dtype="fp16", decode_context_parallel: int = 1,
 ) -> KVCapacity:
     """KV room left on ``num_gpus`` GPUs once the weights are loaded.
 
-    Like vLLM, an instance may use ``gpu_memory_utilization`` of each GPU (default 0.9); the
-    rest is left for activations and the CUDA context. Weights and KV heads are assumed to
-    shard evenly across the GPUs (tensor parallelism), so the memory pools. ``dtype`` is the
-    KV cache's; weights stay in ``weight_dtype``, as with vLLM's ``kv_cache_dtype``.
+    Like vLLM, an instance may use ``gpu_memory_utilization`` of each GPU (default 0.9) for
+    weights, activations and KV cache together. We subtract only the weights; vLLM also
+    subtracts the peak activations it profiles, so these counts are upper bounds. Weights
+    shard evenly across the GPUs (tensor parallelism); the KV memory pools only as far as
+    :func:`kv_copies` allows. ``dtype`` is the KV cache's; weights stay in ``weight_dtype``,
+    as with vLLM's ``kv_cache_dtype``.
     """
-    check_positive("num_gpus", num_gpus, integer=True)
     check_positive("gpu_memory_utilization", gpu_memory_utilization)
     if gpu_memory_utilization > 1:
         raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization!r} must be <= 1")
+    copies = kv_copies(model, num_gpus, decode_context_parallel)
     budget = int(gpu_memory_utilization * get_gpu(gpu).memory_bytes * num_gpus)
     weights = weight_bytes(model, dtype_name(weight_dtype, "weight_dtype"))
-    return KVCapacity(budget, weights, max(0, budget - weights), kv_bytes_per_token(model, dtype))
+    return KVCapacity(budget, weights, max(0, budget - weights), kv_bytes_per_token(model, dtype),
+                      copies)
 
 
 def max_sequences(model, gpu, context_len: int, **capacity_kwargs) -> int:

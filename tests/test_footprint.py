@@ -14,6 +14,7 @@ from pagedlab.footprint import (
     kv_bytes,
     kv_bytes_per_token,
     kv_capacity,
+    kv_copies,
     max_sequences,
     step_cost,
     weight_bytes,
@@ -184,6 +185,31 @@ def test_capacity_grows_with_gpus_and_shrinks_with_wider_dtypes():
     assert fp8.token_slots == 2 * four.token_slots or fp8.token_slots == 2 * four.token_slots + 1
 
 
+def test_tensor_parallelism_replicates_the_mla_latent_on_every_gpu():
+    # Under TP each rank caches the whole latent, so 8 GPUs hold what one GPU's share of the
+    # pooled room holds: the per-GPU KV room over the full per-token latent (vLLM DCP docs).
+    v3 = dict(model="DeepSeek-V3", gpu="H200", num_gpus=8, weight_dtype="fp8")
+    tp = kv_capacity(**v3)
+    per_gpu_room = (int(0.9 * get_gpu("H200").memory_bytes * 8) - 671 * 10**9) / 8
+    assert tp.token_slots == int(per_gpu_room // kv_bytes_per_token("DeepSeek-V3"))
+    assert max_sequences(context_len=131072, **v3) == 5
+    # Decode context parallelism over all 8 ranks splits the tokens instead: the room pools.
+    dcp = kv_capacity(decode_context_parallel=8, **v3)
+    assert dcp.token_slots == dcp.kv_bytes // kv_bytes_per_token("DeepSeek-V3")
+    assert max_sequences(context_len=131072, decode_context_parallel=8, **v3) == 45
+
+
+@pytest.mark.parametrize(
+    "model, num_gpus, copies",
+    [("Llama-3-70B", 4, 1), ("Llama-3-70B", 8, 1), ("Llama-3-70B", 16, 2), ("Qwen2.5-7B", 8, 2),
+     ("OPT-13B", 8, 1), ("DeepSeek-V3", 1, 1), ("DeepSeek-V3", 8, 8)],
+)
+def test_kv_heads_are_replicated_only_when_gpus_outnumber_them(model, num_gpus, copies):
+    assert kv_copies(model, num_gpus) == copies
+    cap = kv_capacity(model, "H200", num_gpus=num_gpus, weight_dtype="fp8")
+    assert cap.token_slots == cap.kv_bytes // (copies * kv_bytes_per_token(model))
+
+
 # --- arithmetic intensity ---------------------------------------------------------------------
 
 TINY = ModelConfig("tiny", n_layers=2, d_model=8, n_heads=2, n_kv_heads=2, head_dim=4,
@@ -273,6 +299,11 @@ def test_bad_model_fields(change, message):
         (lambda: kv_capacity("OPT-13B", "A100-40GB", gpu_memory_utilization=1.5), "utilization"),
         (lambda: kv_capacity("OPT-13B", "A100-40GB", gpu_memory_utilization=0), "utilization"),
         (lambda: kv_capacity("OPT-13B", "A100-40GB", weight_dtype="int3"), "weight_dtype='int3'"),
+        (lambda: kv_capacity("OPT-13B", "A100-40GB", num_gpus=3), "num_gpus=3 .* 40 KV heads"),
+        (lambda: kv_capacity("DeepSeek-V3", "H200", 8, decode_context_parallel=3),
+         "decode_context_parallel=3 .* 8 copies"),
+        (lambda: kv_copies("Llama-3-8B", 8, decode_context_parallel=2),
+         "decode_context_parallel=2 .* 1 copies"),
         (lambda: max_sequences("OPT-13B", "A100-40GB", 0), "context_len=0"),
         (lambda: step_cost("OPT-13B", 0, 10), "batch_size=0"),
         (lambda: step_cost("OPT-13B", 1, -1), "context_len=-1"),

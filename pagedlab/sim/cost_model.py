@@ -33,25 +33,24 @@ from pagedlab.hardware import GPU, get_gpu
 class CostModel:
     """Seconds per step and per swap for ``model`` on ``num_gpus`` ``gpu`` s (tensor parallel).
 
-    Defaults and their sources:
+    Defaults, and which have a source (chapter 9 prints this and boxes the same table):
 
-    - ``bandwidth_efficiency=0.8``: memory-bound kernels on A100/H100 reach about 80% of the
-      datasheet's HBM bandwidth (NVIDIA's STREAM-like measurements and decode-kernel
-      benchmarks report 75-90%). Our own decode kernel on an H200 moved 3.79 TB/s at batch
-      64 x 4,096 tokens, 79% of the datasheet's 4.8 TB/s (benchmarks/results/decode-gpu.md).
-    - ``compute_efficiency=0.6``: fp16 GEMMs at serving batch sizes reach 50-70% of dense
-      tensor-core peak; 0.6 is the middle.
-    - ``step_overhead=0.005`` s: scheduling, sampling, kernel launches and Python per step;
-      an assumption, not calibrated (the paper reports no step times). It is the least
-      certain number here; chapter 9's exercise 1 measures how much the results depend on it.
-    - ``pcie_bandwidth=25e9`` B/s: PCIe 4.0 x16 is 32 GB/s per direction on paper; pinned
-      host copies measure about 25 GB/s.
-    - ``copy_latency=5e-6`` s per ``cudaMemcpyAsync``: vLLM's ``swap_blocks`` issues one copy
-      per block for keys and values in every layer; a few microseconds each is the usual
-      launch and DMA setup cost. This is what makes swapping small blocks slow (Fig. 19).
-    - ``kv_tile_tokens=16``: an attention kernel reads each block as at least a tile of this
-      many tokens (a warp's worth of keys), so blocks smaller than a tile waste bandwidth.
-      Our stand-in for the paper's "small blocks underuse the GPU's parallelism" (Fig. 18).
+    - ``bandwidth_efficiency=0.8``: measured on another GPU only. Our decode kernel moved
+      3.79 TB/s on an H200 at batch 64 x 4,096 tokens, 79% of the datasheet's 4.8 TB/s
+      (benchmarks/results/decode-gpu.md). For the A100 it is an assumption.
+    - ``compute_efficiency=0.6``: an assumption, the share of the datasheet's dense fp16 peak
+      that a serving step's matrix products reach.
+    - ``step_overhead=0.005`` s: an assumption, not calibrated (the paper reports no step
+      times): scheduling, sampling, kernel launches and Python per step. The least certain
+      number here; chapter 9's exercise 1 measures how much the results depend on it.
+    - ``pcie_bandwidth=25e9`` B/s: an assumption, about 80% of the 31.5 GB/s per direction
+      that PCIe 4.0 x16 (16 GT/s a lane, 128b/130b coding) carries.
+    - ``copy_latency=5e-6`` s per copy: an assumption. The paper's vLLM (V0) swapped with one
+      ``cudaMemcpyAsync`` per block for keys and values in every layer; this is the fixed
+      cost of each, and what makes swapping small blocks slow (Fig. 19).
+    - ``kv_tile_tokens=16``: an assumption. An attention kernel reads each block as at least a
+      tile of this many tokens, so blocks smaller than a tile waste bandwidth: our stand-in
+      for the paper's "small blocks underuse the GPU's parallelism" (Fig. 18).
     """
 
     model: ModelConfig | str
