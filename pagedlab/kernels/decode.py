@@ -62,6 +62,7 @@ def _paged_attention_kernel(
     stride_c_token,
     stride_c_head,
     stride_t_seq,
+    stride_t_entry,
     stride_o_seq,
     stride_o_head,
     stride_o_split,
@@ -111,7 +112,8 @@ def _paged_attention_kernel(
         tok_ok = tokens < end
         # Physical address of each token: its block from the table, its slot within the block.
         # Block ids become int64 before the multiply: num_blocks * stride can exceed 2**31.
-        block_ids = tl.load(table_row + tokens // BLOCK_SIZE, mask=tok_ok, other=0).to(tl.int64)
+        entries = table_row + (tokens // BLOCK_SIZE) * stride_t_entry  # [TILE] table entries
+        block_ids = tl.load(entries, mask=tok_ok, other=0).to(tl.int64)
         token_offs = block_ids * stride_c_block + (tokens % BLOCK_SIZE) * stride_c_token  # [TILE]
         kv_offs = token_offs[:, None] + kv_head * stride_c_head + dims[None, :]  # [TILE, DIM_PAD]
         # Masked loads never touch unused slots: whatever they hold (NaN included) reads as 0.

@@ -148,6 +148,7 @@ def _paged_attention_fp8_kernel(
     stride_c_token,
     stride_c_head,
     stride_t_seq,
+    stride_t_entry,
     stride_o_seq,
     stride_o_head,
     BLOCK_SIZE: tl.constexpr,
@@ -179,7 +180,8 @@ def _paged_attention_fp8_kernel(
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
     for tile_start in range(0, seq_len, TILE):
         slots, tok_ok = tile_slots(
-            table_row, tile_start, seq_len, stride_c_block, stride_c_token, BLOCK_SIZE, TILE
+            table_row, stride_t_entry, tile_start, seq_len, stride_c_block, stride_c_token,
+            BLOCK_SIZE, TILE,
         )
         kv_offs = slots[:, None] + kv_head * stride_c_head + dims[None, :]  # [TILE, DIM_PAD]
         kv_ok = tok_ok[:, None] & (dims < HEAD_DIM)[None, :]

@@ -27,6 +27,7 @@ from pagedlab.kernels.validate import (
     _check_like,
     _check_tensor,
     _check_unit_stride,
+    _check_writable,
 )
 
 __all__ = [
@@ -78,6 +79,7 @@ def check_reshape_and_cache_fp8(
     _check_tensor("key_cache", key_cache, 4, (FP8,))
     _check_device("key_cache", key_cache, key.device)
     _check_unit_stride("key_cache", key_cache)
+    _check_writable("key_cache", key_cache)
     _check_like("value_cache", value_cache, "key_cache", key_cache, strides=True)
     if key.shape[1:] != key_cache.shape[2:]:
         raise ValueError(

@@ -52,6 +52,7 @@ def _two_pass_kernel(
     stride_c_token,
     stride_c_head,
     stride_t_seq,
+    stride_t_entry,
     stride_o_seq,
     stride_o_head,
     stride_s_seq,
@@ -90,7 +91,8 @@ def _two_pass_kernel(
     l = tl.zeros([GROUP_PAD], tl.float32)
     for tile_start in range(0, seq_len, TILE):
         slots, tok_ok = tile_slots(
-            table_row, tile_start, seq_len, stride_c_block, stride_c_token, BLOCK_SIZE, TILE
+            table_row, stride_t_entry, tile_start, seq_len, stride_c_block, stride_c_token,
+            BLOCK_SIZE, TILE,
         )
         kv_offs = slots[:, None] + head_offs  # [TILE, DIM_PAD]
         kv_ok = tok_ok[:, None] & dim_ok[None, :]
@@ -107,7 +109,8 @@ def _two_pass_kernel(
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
     for tile_start in range(0, seq_len, TILE):
         slots, tok_ok = tile_slots(
-            table_row, tile_start, seq_len, stride_c_block, stride_c_token, BLOCK_SIZE, TILE
+            table_row, stride_t_entry, tile_start, seq_len, stride_c_block, stride_c_token,
+            BLOCK_SIZE, TILE,
         )
         kv_offs = slots[:, None] + head_offs
         kv_ok = tok_ok[:, None] & dim_ok[None, :]
