@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from pagedlab.engine import Scheduler
+from pagedlab.memory.contiguous import CATEGORIES
 from pagedlab.sim import Request, synthetic_requests
 from pagedlab.sim.cost_model import CostModel
 from pagedlab.sim.simulator import (
@@ -30,6 +31,8 @@ class CheckedScheduler(Scheduler):
     def schedule(self):
         step = super().schedule()
         assert self.manager.num_used_blocks <= self.manager.num_gpu_blocks
+        # what the allocator itself says is free, where the simulator records the step
+        self.free_blocks = getattr(self, "free_blocks", []) + [self.manager.num_free_blocks]
         if self.num_steps % 50 == 0:
             self.manager.check_invariants()
         return step
@@ -74,11 +77,26 @@ def test_every_request_finishes_once_with_its_output_length(mode):
 def test_kv_memory_never_exceeds_capacity(system):
     requests = synthetic_requests("sharegpt", 120, rate=8.0, seed=1)
     result = run(system, requests, COST)
-    used = result.capacity - result.slots["free"] - result.slots["external"]
-    assert (result.slots["tokens"] >= 0).all() and (used <= result.capacity).all()
-    assert (result.slots["tokens"] <= used).all()
+    slots = np.stack([result.slots[c] for c in CATEGORIES])  # [categories, steps]
+    assert (slots >= 0).all()
+    assert (slots.sum(axis=0) == result.capacity).all()  # every slot in exactly one category
+    occupied = result.slots["tokens"] + result.slots["rounding"] + result.slots["reservation"] \
+        + result.slots["overreservation"]
+    assert (result.slots["tokens"] <= occupied).all() and (occupied <= result.capacity).all()
     assert result.finished == len(requests) and np.isfinite(result.finish).all()
     assert result.duration.min() > 0 and result.time[0] == 0.0
+
+
+def test_paged_slot_counts_are_the_allocators():
+    """Free and used slots of the paged system as its allocator counts them, every step."""
+    requests = synthetic_requests("alpaca", 80, rate=40.0, seed=2)
+    result, scheduler = run_checked(requests, num_gpu_blocks=40)
+    assert result.preemptions > 0  # the cache filled up
+    free = np.array(scheduler.free_blocks) * 16
+    assert np.array_equal(result.slots["free"], free)
+    used = result.capacity - free
+    assert np.array_equal(result.slots["tokens"] + result.slots["rounding"], used)
+    assert (result.slots["rounding"] >= 0).all()
 
 
 def test_the_same_seed_gives_the_same_result():
