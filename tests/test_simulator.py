@@ -14,8 +14,8 @@ from pagedlab.sim.simulator import (
     PagedConfig,
     knee_rate,
     knee_rates,
-    run,
     simulate_paged,
+    simulate_system,
     sweep,
     with_rate,
 )
@@ -76,7 +76,7 @@ def test_every_request_finishes_once_with_its_output_length(mode):
 @pytest.mark.parametrize("system", SYSTEMS)
 def test_kv_memory_never_exceeds_capacity(system):
     requests = synthetic_requests("sharegpt", 120, rate=8.0, seed=1)
-    result = run(system, requests, COST)
+    result = simulate_system(system, requests, COST)
     slots = np.stack([result.slots[c] for c in CATEGORIES])  # [categories, steps]
     assert (slots >= 0).all()
     assert (slots.sum(axis=0) == result.capacity).all()  # every slot in exactly one category
@@ -100,17 +100,17 @@ def test_paged_slot_counts_are_the_allocators():
 
 
 def test_the_same_seed_gives_the_same_result():
-    a, b = (run("paged", synthetic_requests("alpaca", 300, rate=30.0, seed=7), COST)
+    a, b = (simulate_system("paged", synthetic_requests("alpaca", 300, rate=30.0, seed=7), COST)
             for _ in range(2))
     assert np.array_equal(a.finish, b.finish) and np.array_equal(a.running, b.running)
-    c = run("paged", synthetic_requests("alpaca", 300, rate=30.0, seed=8), COST)
+    c = simulate_system("paged", synthetic_requests("alpaca", 300, rate=30.0, seed=8), COST)
     assert not np.array_equal(a.finish, c.finish)
 
 
 def test_metrics_by_hand():
     # One request alone: a prefill step then one decode step per further token.
     cost = CostModel("OPT-13B", "A100-40GB")
-    result = run("paged", [Request(0, 2.0, prompt_len=20, output_len=3)], cost)
+    result = simulate_system("paged", [Request(0, 2.0, prompt_len=20, output_len=3)], cost)
     steps = [cost.step_time([20], [], 16), cost.step_time([], [21], 16),
              cost.step_time([], [22], 16)]
     assert result.time.tolist() == pytest.approx([2.0, 2.0 + steps[0], 2.0 + sum(steps[:2])])
@@ -118,14 +118,15 @@ def test_metrics_by_hand():
     assert result.throughput == pytest.approx(1 / sum(steps))
     assert result.slots["tokens"].tolist() == [20, 21, 22]
     # Chapter 2's loop stores the first output token in the prefill step: one token ahead.
-    orca = run("orca-oracle", [Request(0, 2.0, prompt_len=20, output_len=3)], cost)
+    orca = simulate_system("orca-oracle", [Request(0, 2.0, prompt_len=20, output_len=3)], cost)
     assert orca.normalized_latency == pytest.approx(
         (cost.step_time([20]) + cost.step_time([], [22]) + cost.step_time([], [23])) / 3)
 
 
 def test_static_batching_waits_for_the_whole_batch():
     requests = [Request(0, 0.0, 10, 100), Request(1, 0.0, 10, 5), Request(2, 0.1, 10, 5)]
-    ft, orca = run("static", requests, COST), run("orca-max", requests, COST)
+    ft = simulate_system("static", requests, COST)
+    orca = simulate_system("orca-max", requests, COST)
     assert ft.finish[2] > ft.finish[0] > orca.finish[2]  # request 2 waits for request 0
 
 

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from pagedlab._checks import check_positive
+from pagedlab.dtypes import FP8
 from pagedlab.kernels import reference
 from pagedlab.kernels.batch_checks import (
     check_decode_batch,
@@ -43,7 +44,6 @@ __all__ = [
     "quantize_inputs",
 ]
 
-FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448.0, the largest e4m3 value
 
 
