@@ -164,8 +164,10 @@ def _paged_attention_fp8_kernel(
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
+    # >>> scales
     qk_scale = scale * tl.load(k_scale_ptr + kv_head)  # the key scale, folded in once
     v_scale = tl.load(v_scale_ptr + kv_head)
+    # <<< scales
 
     rows = tl.arange(0, GROUP_PAD)
     dims = tl.arange(0, DIM_PAD)
@@ -191,7 +193,9 @@ def _paged_attention_fp8_kernel(
         s = group_logits(q, k, qk_scale, tok_ok, PRECISION)
         m, l, acc = online_softmax_step(m, l, acc, s, v, PRECISION)
 
+    # >>> output
     out = acc * (v_scale / l)[:, None]  # the value scale, applied once
+    # <<< output
     out_ptrs = out_ptr + seq * stride_o_seq + heads[:, None] * stride_o_head + dims[None, :]
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=io_ok)
 

@@ -88,6 +88,7 @@ def _mla_decode_kernel(
             table_row, stride_t_entry, tile_start, seq_len, stride_c_block, stride_c_token,
             BLOCK_SIZE, TILE,
         )
+        # >>> latents
         rows = cache_ptr + slots[:, None]  # [TILE, 1]
         c = tl.load(rows + lat[None, :], mask=tok_ok[:, None] & lat_ok[None, :], other=0.0)
         k_rope = tl.load(
@@ -99,6 +100,7 @@ def _mla_decode_kernel(
         s += tl.dot(q_rope, tl.trans(k_rope), input_precision=PRECISION)
         s = tl.where(tok_ok[None, :], s * scale, float("-inf"))
         m, l, acc = online_softmax_step(m, l, acc, s, c, PRECISION)
+        # <<< latents
 
     out = acc / l[:, None]  # [HEADS, RANK_PAD]
     out_ptrs = out_ptr + seq * stride_o_seq + heads[:, None] * stride_o_head + lat[None, :]

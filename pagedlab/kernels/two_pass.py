@@ -85,6 +85,7 @@ def _two_pass_kernel(
     if SCRATCH:  # this group's rows of the scratch buffer, [GROUP_PAD, 1]
         s_row = logits_ptr + seq * stride_s_seq + heads[:, None] * stride_s_head
 
+    # >>> passes
     # Pass 1: every key, for the logits' max m and sum l = sum exp(s - m) (running, as in
     # chapter 3's online softmax, but with no values to rescale).
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
@@ -124,6 +125,7 @@ def _two_pass_kernel(
         p = tl.exp(s - m[:, None]) / l[:, None]  # [GROUP_PAD, TILE], final probabilities
         v = tl.load(value_cache_ptr + kv_offs, mask=kv_ok, other=0.0).to(DOT_DTYPE)
         acc += tl.dot(p.to(DOT_DTYPE), v, input_precision=PRECISION)
+        # <<< passes
 
     out_ptrs = out_ptr + seq * stride_o_seq + heads[:, None] * stride_o_head + dims[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
