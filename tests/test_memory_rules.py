@@ -61,6 +61,19 @@ def test_a_fork_keeps_caching_the_blocks_it_fills():
     assert mgr.allocate("c", [1, 2, 3, 4, 5, 6, 7, 8, 9]) == 8  # both blocks come from cache
 
 
+def test_a_swapped_in_sequence_caches_its_full_blocks_again():
+    mgr = KVCacheManager(4, 2, num_cpu_blocks=4, enable_prefix_caching=True)
+    mgr.allocate("a", [1, 2, 3, 4, 5])
+    mgr.swap_out("a")
+    mgr.allocate("x", [9, 9, 9, 9, 9, 9])  # evicts a's cached GPU blocks: all 3 are needed
+    mgr.free("x")
+    mgr.swap_in("a")  # a's blocks come back to new GPU blocks, cached again from the first
+    mgr.free("a")
+    assert mgr.allocate("b", [1, 2, 3, 4, 6]) == 4
+    with pytest.raises(ValueError, match="^name at least one sequence$"):
+        mgr.swap_out()
+
+
 def test_eviction_without_a_listener():
     mgr = KVCacheManager(2, 2, enable_prefix_caching=True)
     mgr.allocate("a", [1, 2, 3])
@@ -161,15 +174,19 @@ def test_fixed_slots_cut_only_whole_slots():
         assert not pool.can_allocate(1)
     assert FixedSlots(9, 5).free_extents() == [(0, 5), (5, 4)]  # a slot, then the tail
     assert FixedSlots(10, 5).free_extents() == [(0, 5), (5, 5)]  # no empty tail
-    for args, name in (((10.0, 5), "capacity"), ((10, 0), "slot_size")):
-        with pytest.raises(ValueError, match=f"{name}="):
+    for args, name in (((10.0, 5), "capacity"), ((10, 5.0), "slot_size")):
+        with pytest.raises(ValueError, match=f"^{name}=.* must be an integer$"):
             FixedSlots(*args)
     with pytest.raises(ValueError, match=r"size=2.5 must be an integer"):
         FixedSlots(10, 5).block_size(2.5)
 
 
 def test_buddy_blocks_merge_back_whatever_the_order_of_frees():
+    with pytest.raises(ValueError, match=r"^capacity=16.0 must be an integer$"):
+        BuddyAllocator(16.0)
     buddy = BuddyAllocator(16)
+    with pytest.raises(ValueError, match=r"^size=2.5 must be an integer$"):
+        buddy.block_size(2.5)
     offsets = [buddy.allocate(4) for _ in range(4)]
     for offset in (offsets[1], offsets[0], offsets[3], offsets[2]):
         buddy.free(offset)
