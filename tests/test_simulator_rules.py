@@ -36,11 +36,14 @@ def test_a_sweep_scales_its_trace_with_duration_and_min_requests():
         sweep(["paged"], "alpaca", [1.0], COST, duration=0)
 
 
-def test_a_sweep_shows_its_progress_when_asked(capsys):
-    sweep(["paged"], "alpaca", [0.5, 1.0], COST, duration=20.0, min_requests=5, progress=True)
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_sweep_shows_its_progress_when_asked(capsys, workers):
+    args = (["paged"], "alpaca", [0.5, 1.0], COST)
+    points = sweep(*args, duration=20.0, min_requests=5, progress=True, workers=workers)
     err = capsys.readouterr().err
     assert re.search(r"(^|\r)simulated runs: .*2/2", err), err
     assert re.search(r"\b(run/s|s/run)\]", err), err
+    assert points == sweep(*args, duration=20.0, min_requests=5)  # in processes or not
 
 
 def test_the_knee_is_where_latency_first_passes_the_threshold():
