@@ -94,6 +94,25 @@ def test_only_a_parked_block_can_be_revived():
             allocator.revive(block)
 
 
+@pytest.mark.parametrize("corrupt, message", [
+    (lambda a: a._refs.__setitem__(1, -1), r"^block 1 of pool 'gpu' has refcount -1$"),
+    (lambda a: a._free.append(a._free[0]), r"^block \d is twice on the free list of pool 'gpu'$"),
+    (lambda a: a._free.append(4), r"^block 4 is on the free list of pool 'gpu' but in use$"),
+])
+def test_the_allocators_invariants_name_the_block(corrupt, message):
+    allocator = BlockAllocator(4)
+    allocator.allocate(1)
+    allocator.check_invariants()
+    corrupt(allocator)
+    with pytest.raises(InvariantError, match=message):
+        allocator.check_invariants()
+
+
+def test_only_a_used_block_can_be_shared():
+    with pytest.raises(StateError, match="block 2"):
+        BlockAllocator(2).share([2])
+
+
 # --- the prefix cache's own checks ---------------------------------------------------------
 
 
@@ -195,6 +214,8 @@ def test_buddy_blocks_merge_back_whatever_the_order_of_frees():
 
 
 def test_baselines_are_named_as_in_the_paper():
+    with pytest.raises(ValueError, match="^max_seq_len=0 must be > 0$"):
+        orca(64, "max", 0)
     assert static_max(64, 16).name == "Static (Max)"
     assert [orca(64, r, 16).name for r in ("max", "pow2", "oracle")] == [
         "Orca (Max)", "Orca (Pow2)", "Orca (Oracle)"]

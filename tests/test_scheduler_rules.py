@@ -45,10 +45,12 @@ def run_step(sched, token=7):
 
 @pytest.mark.parametrize("config, message", [
     (dict(max_num_seqs=0), r"max_num_seqs=0 must be > 0"),
+    (dict(max_num_seqs=2.0), r"max_num_seqs=2.0 must be an integer"),
     (dict(max_num_batched_tokens=2.5), r"max_num_batched_tokens=2.5 must be an integer"),
     (dict(max_num_seqs=8, max_num_batched_tokens=7),
      r"max_num_batched_tokens=7 must be at least max_num_seqs=8: each running sequence"),
-    (dict(preemption_mode="drop"), r"preemption_mode='drop' must be one of \('recompute', 'swap'\)"),
+    (dict(preemption_mode="drop"),
+     r"preemption_mode='drop' must be one of \('recompute', 'swap'\)"),
     (dict(watermark=1.0), r"watermark=1.0 must be in \[0, 1\)"),
     (dict(watermark=-0.1), r"watermark=-0.1 must be in \[0, 1\)"),
 ])
@@ -59,7 +61,8 @@ def test_a_bad_config_is_named(config, message):
 
 def test_the_edges_of_the_config_are_allowed():
     SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=8, watermark=0.0)
-    with pytest.raises(TypeError, match=r"policy=.* must be an instance"):
+    with pytest.raises(TypeError, match=r"policy=.* must be an instance of a pagedlab.engine."
+                       r"Policy subclass, such as FCFS\(\) \(an instance, not the class\)"):
         SchedulerConfig(policy=object())
 
 
