@@ -191,6 +191,7 @@ def test_fixed_slots_cut_only_whole_slots():
         pool = FixedSlots(capacity, 5)
         assert [pool.allocate(5) for _ in range(slots)] == list(range(0, 5 * slots, 5))
         assert not pool.can_allocate(1)
+        assert pool.used_blocks() == [(o, 5) for o in range(0, 5 * slots, 5)]
     assert FixedSlots(9, 5).free_extents() == [(0, 5), (5, 4)]  # a slot, then the tail
     assert FixedSlots(10, 5).free_extents() == [(0, 5), (5, 5)]  # no empty tail
     for args, name in (((10.0, 5), "capacity"), ((10, 5.0), "slot_size")):

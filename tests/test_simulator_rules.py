@@ -8,7 +8,7 @@ import pytest
 
 from pagedlab.sim import synthetic_requests
 from pagedlab.sim.cost_model import CostModel
-from pagedlab.sim.simulator import knee_rate, simulate_system, sweep, with_rate
+from pagedlab.sim.simulator import Point, knee_rate, knee_rates, simulate_system, sweep, with_rate
 
 COST = CostModel("OPT-13B", "A100-40GB")
 
@@ -50,6 +50,16 @@ def test_the_knee_is_where_latency_first_passes_the_threshold():
     assert knee_rate([1, 3], [0.2, 2.2]) == pytest.approx(1.8)  # linear between the rates
     assert knee_rate([1, 2], [0.5, 1.0]) == math.inf  # reaching it is not passing it
     assert knee_rate([1, 2, 4], [0.5, 1.0, 3.0]) == pytest.approx(2.0)
+
+
+def test_knee_rates_are_one_knee_per_system_in_rate_order():
+    def point(system, rate, latency):
+        return Point(system, rate, {}, latency, 0.0, 0.0, 0)
+
+    points = [point("b", 3, 2.2), point("a", 2, 0.5), point("b", 1, 0.2), point("a", 1, 0.1)]
+    assert knee_rates(points) == {"b": pytest.approx(1.8), "a": math.inf}
+    # b: 1 + (0.3 - 0.2) * (3 - 1) / (2.2 - 0.2); a: 1 + (0.3 - 0.1) * (2 - 1) / (0.5 - 0.1)
+    assert knee_rates(points, threshold=0.3) == {"b": pytest.approx(1.1), "a": pytest.approx(1.5)}
 
 
 def test_with_rate_names_a_bad_scale():
