@@ -9,6 +9,7 @@ from pagedlab.memory import (
     CATEGORIES,
     BlockAllocator,
     BuddyAllocator,
+    ContiguousKV,
     FixedSlots,
     InvariantError,
     KVCacheManager,
@@ -217,6 +218,19 @@ def test_buddy_blocks_merge_back_whatever_the_order_of_frees():
 def test_baselines_are_named_as_in_the_paper():
     with pytest.raises(ValueError, match="^max_seq_len=0 must be > 0$"):
         orca(64, "max", 0)
+    with pytest.raises(ValueError, match="^max_seq_len=2.5 must be an integer$"):
+        orca(64, "max", 2.5)
+    assert ContiguousKV(BuddyAllocator(64), "pow2", 16).name == "BuddyAllocator (pow2)"
+
+
+def test_admission_stores_one_to_all_of_a_requests_tokens():
+    kv = orca(64, "oracle", 16)
+    request = Request(0, 0.0, 3, 5)
+    for bad in (0, 9):
+        with pytest.raises(ValueError, match=rf"num_tokens={bad} must lie in \[1, 8\]"):
+            kv.admit(request, bad)
+    kv.admit(request, 8)  # a whole request, as after a recomputation
+    assert kv.breakdown().tokens == 8
     assert static_max(64, 16).name == "Static (Max)"
     assert [orca(64, r, 16).name for r in ("max", "pow2", "oracle")] == [
         "Orca (Max)", "Orca (Pow2)", "Orca (Oracle)"]
