@@ -145,6 +145,14 @@ def test_forked_samples_share_the_prompt_and_copy_on_write():
     assert sched.manager.num_used_blocks == 4
 
 
+def test_forks_are_numbered_after_the_samples_there_are():
+    sched = make(num_blocks=8, watermark=0.0)
+    group = add(sched, "a", 6, max_tokens=3, n=4)
+    run_step(sched)
+    assert [s.index for s in group.seqs] == [0, 1, 2, 3]
+    assert len({s.seq_id for s in group.seqs}) == 4
+
+
 def test_the_copy_on_write_need_is_counted_before_preempting():
     """Three samples on a shared half block need two blocks, not three, so with exactly two
     free nothing is preempted."""
