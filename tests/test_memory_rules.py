@@ -96,8 +96,8 @@ def test_only_a_parked_block_can_be_revived():
 
 
 @pytest.mark.parametrize("corrupt, message", [
-    (lambda a: a._refs.__setitem__(1, -1), r"^block 1 of pool 'gpu' has refcount -1$"),
-    (lambda a: a._free.append(a._free[0]), r"^block \d is twice on the free list of pool 'gpu'$"),
+    (lambda a: a._refs.__setitem__(2, -1), r"^block 2 of pool 'gpu' has refcount -1$"),
+    (lambda a: a._free.append(a._free[-1]), r"^block 1 is twice on the free list of pool 'gpu'$"),
     (lambda a: a._free.append(4), r"^block 4 is on the free list of pool 'gpu' but in use$"),
 ])
 def test_the_allocators_invariants_name_the_block(corrupt, message):
