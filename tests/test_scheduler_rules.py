@@ -221,3 +221,23 @@ def test_a_stop_token_or_max_tokens_ends_a_sequence_and_frees_it():
     step, done = run_step(sched, token=5)
     assert [g.request_id for g in done] == ["runs"] and done[0].seqs[0].finish_reason == "length"
     assert sched.manager.num_used_blocks == 0 and not sched.has_unfinished
+
+
+def test_decodes_take_their_tokens_out_of_the_budget_and_steps_are_numbered():
+    sched = make(num_blocks=16, max_num_seqs=4, max_num_batched_tokens=8, watermark=0.0)
+    for rid, n in (("a", 3), ("b", 5), ("c", 6), ("d", 3)):
+        add(sched, rid, n)
+    first, _ = run_step(sched)
+    second, _ = run_step(sched)  # 8 - 2 decodes = 6: exactly c's prompt, nothing left for d
+    assert [g.request_id for g in second.groups] == ["a", "b", "c"]
+    assert (first.stats.step, second.stats.step, sched.num_steps) == (0, 1, 2)
+
+
+def test_abort_all_finishes_every_sequence_as_aborted():
+    sched = make(num_blocks=8, watermark=0.0)
+    groups = [add(sched, "a", 4), add(sched, "b", 4, n=2), add(sched, "c", 30)]
+    run_step(sched)
+    sched.abort_all()
+    assert all(s.finish_reason == "abort" for g in groups for s in g.seqs)
+    assert all(g.status is GroupStatus.FINISHED for g in groups)
+    assert sched.manager.num_used_blocks == 0 and not sched.has_unfinished
