@@ -3,7 +3,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 READY := $(VENV)/.ready
 
-.PHONY: book test pytest notebooks clean
+.PHONY: book test pytest notebooks mutation clean
 
 $(READY): pyproject.toml tools/setup_env.sh
 	VENV=$(VENV) bash tools/setup_env.sh
@@ -27,5 +27,12 @@ notebooks: $(READY)
 	$(BIN)/python -m pagedlab.colab book/ch*.md
 	$(BIN)/python -m pagedlab.assignments notebooks/solutions notebooks/student
 
+# Mutation testing of the allocator, the scheduler and the simulator (not part of `make test`:
+# it takes an hour or more on 2 cores). Config in pyproject.toml; results in tests/MUTATION.md.
+mutation: $(READY)
+	$(BIN)/python -c "import mutmut" 2>/dev/null || $(BIN)/python -m pip install -q -e ".[mutation]"
+	nice -n 10 $(BIN)/mutmut run --max-children 2
+	$(BIN)/mutmut results
+
 clean:
-	rm -rf _build
+	rm -rf _build mutants

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import statistics
 import time
 import warnings
 from functools import partial
@@ -38,6 +37,7 @@ from pagedlab.device import HAS_CUDA, INTERPRET, describe
 from pagedlab.kernels import paged_attention, reference
 from pagedlab.kernels.decode import choose_num_splits
 from pagedlab.kernels.inputs import random_paged_inputs
+from pagedlab.timing import copy_bandwidth, seconds_per_call
 
 try:
     from torch.nn.attention.experimental._paged_attention import PagedAttention
@@ -50,27 +50,6 @@ GPU = dict(batches=(1, 8, 64, 256), contexts=(512, 4096, 32768), **SHAPES)
 CPU = dict(SHAPES, batches=(1, 4), contexts=(64, 256), num_heads=8, num_kv_heads=2, head_dim=64)
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 BASELINES = ("reference", "sdpa", "flex")
-
-
-def seconds_per_call(fn) -> float:
-    """Median time of fn(): triton's do_bench on CUDA (L2 flushed between calls), else a timer."""
-    if HAS_CUDA:
-        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3
-    fn()  # warm-up
-    times = []
-    for _ in range(3):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def copy_bandwidth() -> float:
-    """Bytes per second of a large same-device copy, counting the bytes read and written."""
-    nbytes = 2**30 if HAS_CUDA else 2**26
-    src = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE)
-    dst = torch.empty_like(src)
-    return 2 * nbytes / seconds_per_call(lambda: dst.copy_(src))
 
 
 def free_bytes() -> float:
@@ -200,7 +179,7 @@ def main() -> None:
     note = "GPU" if HAS_CUDA else "CPU, interpreter-sized: times measure Triton's interpreter"
     print(describe(), "|", note, flush=True)
 
-    copy_bw = copy_bandwidth()
+    copy_bw = copy_bandwidth(2**30 if HAS_CUDA else 2**26)
     points, start = [], time.perf_counter()
     for batch in cfg["batches"]:
         for context in cfg["contexts"]:

@@ -16,12 +16,12 @@ import time
 
 from pagedlab.sim import load_trace, shared_trace_path, synthetic_requests
 from pagedlab.sim.cost_model import CostModel
-from pagedlab.sim.simulator import SYSTEMS, run
+from pagedlab.sim.simulator import SYSTEMS, simulate_system
 
 
 def timed(system, requests, cost) -> list:
     start = time.perf_counter()
-    result = run(system, requests, cost)
+    result = simulate_system(system, requests, cost)
     wall = time.perf_counter() - start
     tokens = int(result.output_len.sum())
     return [system, f"{len(requests):,}", f"{len(result.time):,}", f"{wall:.1f}",

@@ -1,14 +1,19 @@
-"""Helpers the chapters share: numbers computed in a cell and quoted in the prose.
+"""Helpers the chapters share: numbers quoted in the prose, source excerpts, differences.
 
 In the book build, :func:`glue` hands a value to MyST-NB so the prose can quote it with
 ``{glue}`name```; in Colab or plain Jupyter (no MyST-NB) it just returns the value. The
 formatters below are the one way prose quotes a number, so that a bound in the text is never
 below the value a cell prints beside it and no phrase degenerates ("16 to 16", "+0%", "0e+00").
+:func:`excerpt` shows a marked section of a function's source, highlighted; :func:`max_diff`
+measures how far two tensors are apart.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
+import re
+import textwrap
 from decimal import ROUND_CEILING, Decimal
 
 try:
@@ -82,24 +87,6 @@ def show_source(*objects) -> Source:
                               for o in objects))
 
 
-def excerpt(fn, first: str, last: str) -> None:
-    """Show the lines of ``fn``'s source from the first one containing ``first`` to the next
-    containing ``last``, dedented (a kernel is read a piece at a time)."""
-    import inspect
-    import textwrap
-
-    from IPython.display import display
-
-    lines = inspect.getsource(getattr(fn, "fn", fn)).splitlines()  # a JIT function wraps .fn
-    i = next((n for n, line in enumerate(lines) if first in line), None)
-    if i is None:
-        raise ValueError(f"no line of {fn.__name__}'s source contains {first!r}")
-    j = next((n for n in range(i, len(lines)) if last in lines[n]), None)
-    if j is None:
-        raise ValueError(f"no line of {fn.__name__}'s source after {first!r} contains {last!r}")
-    display(Source(textwrap.dedent("\n".join(lines[i : j + 1]))))
-
-
 RESULTS_URL = "https://raw.githubusercontent.com/pagedlab/pagedlab/main/benchmarks/results"
 
 
@@ -121,3 +108,36 @@ def gpu_results(name: str) -> dict:
     except OSError as err:
         raise FileNotFoundError(f"benchmarks/results/{name}.json is neither beside the book "
                                 f"nor reachable at {RESULTS_URL}: {err}") from err
+
+
+# "# >>> name" opens a section of a source, "# <<< name" closes it
+_MARKER = re.compile(r"^\s*# (>>>|<<<) (\w+)\s*$")
+
+
+def excerpt(fn, section: str | None = None) -> None:
+    """Print ``fn``'s source, or the lines between its markers ``# >>> section`` and
+    ``# <<< section``, without any marker line.
+
+    Sections are named by markers rather than found by the text of a comment, so that
+    rewording a comment in the source cannot move or break an excerpt in the book.
+    """
+    fn = getattr(fn, "fn", fn)  # a Triton JIT function wraps the Python function as .fn
+    lines = inspect.getsource(fn).splitlines()
+    if section is not None:
+        marks = {m.groups(): i for i, m in enumerate(map(_MARKER.match, lines)) if m}
+        try:
+            lines = lines[marks[">>>", section] + 1 : marks["<<<", section]]
+        except KeyError:
+            found = sorted({name for _, name in marks})
+            raise ValueError(
+                f"{fn.__qualname__} has no section {section!r} (# >>> {section} ... "
+                f"# <<< {section}); its sections: {found}"
+            ) from None
+    from IPython.display import display
+
+    display(Source(textwrap.dedent("\n".join(s for s in lines if not _MARKER.match(s)))))
+
+
+def max_diff(a, b) -> float:
+    """The largest absolute elementwise difference of two tensors, computed in float64."""
+    return (a.double() - b.double()).abs().max().item()

@@ -10,11 +10,13 @@ import torch
 
 DTYPE_BYTES: dict[str, int] = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
 
+FP8 = torch.float8_e4m3fn  # the fp8 KV cache's format (e4m3), as in vLLM's "fp8" cache
+
 _TORCH_NAMES: dict[torch.dtype, str] = {
     torch.float32: "fp32",
     torch.float16: "fp16",
     torch.bfloat16: "bf16",
-    torch.float8_e4m3fn: "fp8",  # the usual fp8 KV-cache format
+    FP8: "fp8",
     torch.float8_e5m2: "fp8",
 }
 

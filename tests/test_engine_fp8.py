@@ -7,7 +7,7 @@ from _tiny import kernel_runs, random_prompts, tiny_hf
 
 from pagedlab import LLM, SamplingParams
 from pagedlab.engine.runner import block_bytes
-from pagedlab.kernels.fp8_reference import FP8
+from pagedlab.dtypes import FP8
 from pagedlab.model import from_hf
 
 LENGTHS = (3, 17, 9, 30, 6, 12)

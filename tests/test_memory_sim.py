@@ -5,7 +5,7 @@ import pytest
 
 from pagedlab.footprint import kv_capacity
 from pagedlab.memory.contiguous import CATEGORIES, orca
-from pagedlab.sim import POLICIES, PagedKV, Request, make_policy, simulate, synthetic_requests
+from pagedlab.sim import MEMORY_SYSTEMS, PagedKV, Request, make_memory, simulate, synthetic_requests
 
 
 class Spy:
@@ -55,11 +55,11 @@ def check_run(requests, policy, step_seconds=0.05):
     return result, spy
 
 
-@pytest.mark.parametrize("name", POLICIES)
+@pytest.mark.parametrize("name", MEMORY_SYSTEMS)
 @pytest.mark.parametrize("dataset, rate", [("sharegpt", 5.0), ("alpaca", 50.0)])
 def test_every_request_finishes_once_and_categories_sum_to_capacity(name, dataset, rate):
     requests = synthetic_requests(dataset, 120, rate=rate, seed=1, max_context=512)
-    result, _ = check_run(requests, make_policy(name, capacity=4096, max_seq_len=512))
+    result, _ = check_run(requests, make_memory(name, capacity=4096, max_seq_len=512))
     used = result.capacity - result.slots["free"] - result.slots["external"]
     assert used.max() <= result.capacity and result.running.min() >= 1
 
@@ -102,7 +102,7 @@ def test_paging_preempts_the_latest_request_and_resumes_it():
 
 def test_idle_gaps_are_skipped():
     requests = [Request(0, 0.0, 5, 3), Request(1, 100.0, 5, 2)]
-    result, _ = check_run(requests, make_policy("paged", 64, 16))
+    result, _ = check_run(requests, make_memory("paged", 64, 16))
     assert result.time.tolist() == [0.0, 0.05, 0.1, 100.0, 100.05]
     with pytest.raises(ValueError, match="no step had a waiting request"):
         result.mean_shares()
@@ -120,8 +120,8 @@ def test_a_request_that_can_never_fit_is_named():
         simulate([Request(3, 0.0, 1, 1)] * 2, PagedKV(64, 16), step_seconds=1.0)
     with pytest.raises(ValueError, match="capacity=100 must be a multiple of block_size=16"):
         PagedKV(100, 16)
-    with pytest.raises(ValueError, match="policy name='lru'"):
-        make_policy("lru", 64, 16)
+    with pytest.raises(ValueError, match="memory system name='lru'"):
+        make_memory("lru", 64, 16)
 
 
 def test_a_sharegpt_like_load_reproduces_the_shape_of_fig_2():
@@ -131,7 +131,7 @@ def test_a_sharegpt_like_load_reproduces_the_shape_of_fig_2():
     capacity = kv_capacity("OPT-13B", "A100-40GB").token_slots // 16 * 16  # whole blocks
     tokens = {}
     for name in ("orca-max", "orca-pow2", "orca-oracle", "paged"):
-        result = simulate(requests, make_policy(name, capacity, 2048), step_seconds=0.04)
+        result = simulate(requests, make_memory(name, capacity, 2048), step_seconds=0.04)
         tokens[name] = result.mean_shares()["tokens"]
     assert all(0.15 < tokens[n] < 0.45 for n in ("orca-max", "orca-pow2", "orca-oracle"))
     assert tokens["orca-max"] < tokens["orca-pow2"] < tokens["orca-oracle"] < tokens["paged"]

@@ -98,17 +98,22 @@ def test_shortest_prompt_first_passes_a_long_head_of_the_queue():
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-@pytest.mark.parametrize("policy, victim", [(FCFS(), "r2"), (Priority(), "r0")])
-def test_the_victim_is_the_policys_last(mode, policy, victim):
-    # three 4-token prompts fill 3 of 5 blocks; each next token needs a fresh block: one
-    # group must go. Priorities r0: 2, r1: 0, r2: 1 rank r1, r2, r0.
-    requests = [("r0", 4, 8, 2), ("r1", 4, 8, 0), ("r2", 4, 8, 1)]
+@pytest.mark.parametrize(
+    "policy, victims", [(FCFS(), ("r3", "r2")), (Priority(), ("r0", "r3"))]
+)
+def test_the_victims_are_the_policys_last(mode, policy, victims):
+    # Four 4-token prompts fill 4 of 5 blocks; each next token needs a fresh block. The
+    # first group in the policy's order takes the free block; the second must take one from
+    # the policy's last group (while two are still queued behind it), and the third, left
+    # last, gives its own. Priorities r0: 3, r1: 0, r2: 1, r3: 2 rank r1, r2, r3, r0.
+    requests = [("r0", 4, 8, 3), ("r1", 4, 8, 0), ("r2", 4, 8, 1), ("r3", 4, 8, 2)]
     sched = scheduler(requests, num_blocks=5, num_cpu_blocks=8, watermark=0.0,
                       preemption_mode=mode, policy=policy)
     first, _ = step(sched)
-    assert first.stats.prefill_seqs == 3
+    assert first.stats.prefill_seqs == 4
     second, _ = step(sched)
-    assert second.stats.preempted == ((victim, mode),)
+    assert second.stats.preempted == tuple((v, mode) for v in victims)
+    assert second.stats.decode_seqs == 2
     while sched.has_unfinished:
         step(sched)
     assert sched.manager.num_used_blocks == 0 and sched.manager.cpu.num_used == 0

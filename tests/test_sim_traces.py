@@ -91,6 +91,12 @@ def test_load_trace_reads_requests_in_order(tmp_path):
     (GOOD + "1.0,3,2\n", r"row 5: arrived_at=1.0 is earlier than the previous row's 4.3"),
     (GOOD + "soon,3,2\n", r"row 5: arrived_at='soon' is not a number"),
     (GOOD + "5.0,3,0\n", r"row 5: request 3: output_len=0 must be > 0"),
+    (GOOD + "5.0,3\n", r"trace\.csv, row 5: 2 cells where the header has 3, missing num_decode"),
+    (GOOD + "5.0\n", r"row 5: 1 cells where .* missing num_prefill_tokens, num_decode_tokens"),
+    (GOOD + "5.0,3,2,9\n", r"trace\.csv, row 5: 4 cells where the header has 3$"),
+    (GOOD + "\n5.0,3,x\n", r"trace\.csv, row 6: num_decode_tokens='x'"),  # a blank line counts
+    (GOOD + "5.0,,2\n", r"row 5: num_prefill_tokens='' must be a non-negative integer"),
+    (GOOD + "nan,3,2\n", r"row 5: request 3: arrival=nan must be >= 0"),
 ])
 def test_load_trace_errors_name_the_file_and_row(tmp_path, text, message):
     with pytest.raises(ValueError, match=message):

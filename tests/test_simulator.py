@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from pagedlab.engine import Scheduler
+from pagedlab.memory.contiguous import CATEGORIES
 from pagedlab.sim import Request, synthetic_requests
 from pagedlab.sim.cost_model import CostModel
 from pagedlab.sim.simulator import (
@@ -13,8 +14,8 @@ from pagedlab.sim.simulator import (
     PagedConfig,
     knee_rate,
     knee_rates,
-    run,
     simulate_paged,
+    simulate_system,
     sweep,
     with_rate,
 )
@@ -30,6 +31,8 @@ class CheckedScheduler(Scheduler):
     def schedule(self):
         step = super().schedule()
         assert self.manager.num_used_blocks <= self.manager.num_gpu_blocks
+        # what the allocator itself says is free, where the simulator records the step
+        self.free_blocks = getattr(self, "free_blocks", []) + [self.manager.num_free_blocks]
         if self.num_steps % 50 == 0:
             self.manager.check_invariants()
         return step
@@ -73,26 +76,41 @@ def test_every_request_finishes_once_with_its_output_length(mode):
 @pytest.mark.parametrize("system", SYSTEMS)
 def test_kv_memory_never_exceeds_capacity(system):
     requests = synthetic_requests("sharegpt", 120, rate=8.0, seed=1)
-    result = run(system, requests, COST)
-    used = result.capacity - result.slots["free"] - result.slots["external"]
-    assert (result.slots["tokens"] >= 0).all() and (used <= result.capacity).all()
-    assert (result.slots["tokens"] <= used).all()
+    result = simulate_system(system, requests, COST)
+    slots = np.stack([result.slots[c] for c in CATEGORIES])  # [categories, steps]
+    assert (slots >= 0).all()
+    assert (slots.sum(axis=0) == result.capacity).all()  # every slot in exactly one category
+    occupied = result.slots["tokens"] + result.slots["rounding"] + result.slots["reservation"] \
+        + result.slots["overreservation"]
+    assert (result.slots["tokens"] <= occupied).all() and (occupied <= result.capacity).all()
     assert result.finished == len(requests) and np.isfinite(result.finish).all()
     assert result.duration.min() > 0 and result.time[0] == 0.0
 
 
+def test_paged_slot_counts_are_the_allocators():
+    """Free and used slots of the paged system as its allocator counts them, every step."""
+    requests = synthetic_requests("alpaca", 80, rate=40.0, seed=2)
+    result, scheduler = run_checked(requests, num_gpu_blocks=40)
+    assert result.preemptions > 0  # the cache filled up
+    free = np.array(scheduler.free_blocks) * 16
+    assert np.array_equal(result.slots["free"], free)
+    used = result.capacity - free
+    assert np.array_equal(result.slots["tokens"] + result.slots["rounding"], used)
+    assert (result.slots["rounding"] >= 0).all()
+
+
 def test_the_same_seed_gives_the_same_result():
-    a, b = (run("paged", synthetic_requests("alpaca", 300, rate=30.0, seed=7), COST)
+    a, b = (simulate_system("paged", synthetic_requests("alpaca", 300, rate=30.0, seed=7), COST)
             for _ in range(2))
     assert np.array_equal(a.finish, b.finish) and np.array_equal(a.running, b.running)
-    c = run("paged", synthetic_requests("alpaca", 300, rate=30.0, seed=8), COST)
+    c = simulate_system("paged", synthetic_requests("alpaca", 300, rate=30.0, seed=8), COST)
     assert not np.array_equal(a.finish, c.finish)
 
 
 def test_metrics_by_hand():
     # One request alone: a prefill step then one decode step per further token.
     cost = CostModel("OPT-13B", "A100-40GB")
-    result = run("paged", [Request(0, 2.0, prompt_len=20, output_len=3)], cost)
+    result = simulate_system("paged", [Request(0, 2.0, prompt_len=20, output_len=3)], cost)
     steps = [cost.step_time([20], [], 16), cost.step_time([], [21], 16),
              cost.step_time([], [22], 16)]
     assert result.time.tolist() == pytest.approx([2.0, 2.0 + steps[0], 2.0 + sum(steps[:2])])
@@ -100,14 +118,15 @@ def test_metrics_by_hand():
     assert result.throughput == pytest.approx(1 / sum(steps))
     assert result.slots["tokens"].tolist() == [20, 21, 22]
     # Chapter 2's loop stores the first output token in the prefill step: one token ahead.
-    orca = run("orca-oracle", [Request(0, 2.0, prompt_len=20, output_len=3)], cost)
+    orca = simulate_system("orca-oracle", [Request(0, 2.0, prompt_len=20, output_len=3)], cost)
     assert orca.normalized_latency == pytest.approx(
         (cost.step_time([20]) + cost.step_time([], [22]) + cost.step_time([], [23])) / 3)
 
 
 def test_static_batching_waits_for_the_whole_batch():
     requests = [Request(0, 0.0, 10, 100), Request(1, 0.0, 10, 5), Request(2, 0.1, 10, 5)]
-    ft, orca = run("static", requests, COST), run("orca-max", requests, COST)
+    ft = simulate_system("static", requests, COST)
+    orca = simulate_system("orca-max", requests, COST)
     assert ft.finish[2] > ft.finish[0] > orca.finish[2]  # request 2 waits for request 0
 
 

@@ -3,59 +3,54 @@
 ``sequence`` (requests as sequence groups), ``scheduler`` (continuous batching, preemption by
 recomputation or swapping; no tensors, so the simulator drives it too), ``policy`` (the order
 the scheduler serves and preempts in: FCFS, priority, or your own), ``sampling`` and
-``beam_search`` (choosing tokens; parallel samples and beams by fork and copy-on-write),
+``beams`` (choosing tokens; parallel samples and beams by fork and copy-on-write),
 ``runner`` (the KV cache tensors and the model's forward pass), ``stats`` and ``outputs``
 (what a run reports), ``llm`` (the :class:`LLM` facade).
 """
 
-from pagedlab.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
-from pagedlab.engine.llm import LLM
-from pagedlab.engine.outputs import CompletionOutput, RequestOutput
-from pagedlab.engine.policy import FCFS, Policy, Priority
-from pagedlab.engine.runner import ModelRunner
-from pagedlab.engine.sampling import Sampler, SamplingParams
-from pagedlab.engine.scheduler import (
-    CacheTooSmall,
-    Scheduler,
-    SchedulerConfig,
-    Step,
-    TooManySequences,
-)
-from pagedlab.engine.sequence import (
-    GroupOutput,
-    GroupStatus,
-    Sequence,
-    SequenceGroup,
-    SequenceOutput,
-)
-from pagedlab.engine.stats import EngineStats, StepStats
-from pagedlab.engine.text import InvalidPrompt, PromptTooLong
+from importlib import import_module
 
-__all__ = [
-    "LLM",
-    "BeamSearchOutput",
-    "BeamSearchParams",
-    "BeamSearchSequence",
-    "CacheTooSmall",
-    "CompletionOutput",
-    "EngineStats",
-    "FCFS",
-    "GroupOutput",
-    "GroupStatus",
-    "InvalidPrompt",
-    "ModelRunner",
-    "Policy",
-    "Priority",
-    "PromptTooLong",
-    "RequestOutput",
-    "Sampler",
-    "SamplingParams",
-    "Scheduler",
-    "SchedulerConfig",
-    "Sequence",
-    "SequenceGroup",
-    "SequenceOutput",
-    "Step",
-    "StepStats",
-    "TooManySequences",
-]
+# Each name and the module it lives in, imported on first use: the scheduler and the
+# simulator import this package without loading the model, the runner and the Triton kernels.
+_EXPORTS = {
+    "LLM": "llm",
+    "BeamSearchOutput": "beams",
+    "BeamSearchParams": "beams",
+    "BeamSearchSequence": "beams",
+    "CacheTooSmall": "scheduler",
+    "TooManySequences": "scheduler",
+    "InvalidPrompt": "text",
+    "PromptTooLong": "text",
+    "CompletionOutput": "outputs",
+    "EngineStats": "stats",
+    "FCFS": "policy",
+    "GroupOutput": "sequence",
+    "GroupStatus": "sequence",
+    "ModelRunner": "runner",
+    "Policy": "policy",
+    "Priority": "policy",
+    "RequestOutput": "outputs",
+    "Sampler": "sampling",
+    "SamplingParams": "sampling",
+    "Scheduler": "scheduler",
+    "SchedulerConfig": "scheduler",
+    "Sequence": "sequence",
+    "SequenceGroup": "sequence",
+    "SequenceOutput": "sequence",
+    "Step": "scheduler",
+    "StepStats": "stats",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'pagedlab.engine' has no attribute {name!r}")
+    value = getattr(import_module(f"pagedlab.engine.{_EXPORTS[name]}"), name)
+    globals()[name] = value  # the next lookup is an ordinary one
+    return value
+
+
+def __dir__():
+    return sorted({*globals(), *_EXPORTS})

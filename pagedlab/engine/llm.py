@@ -22,7 +22,7 @@ import os
 import time
 
 from pagedlab._checks import check_positive, lookup_preset
-from pagedlab.engine.beam_search import BeamSearchOutput, BeamSearchParams
+from pagedlab.engine.beams import BeamSearchOutput, BeamSearchParams
 from pagedlab.engine.outputs import RequestOutput
 from pagedlab.engine.policy import POLICIES, Policy
 from pagedlab.engine.runner import KV_CACHE_DTYPES, ModelRunner, block_bytes, profile_num_blocks

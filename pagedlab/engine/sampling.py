@@ -5,7 +5,7 @@
 sample ``i`` is seeded ``seed + i`` (as vLLM does), so it equals the same request run alone
 with ``n=1, seed=seed + i``. The ``n`` samples are drawn from the prompt's logits; the
 scheduler then forks the prompt's sequence into ``n``, sharing its blocks (copy-on-write).
-Beam groups go to :mod:`pagedlab.engine.beam_search`.
+Beam groups go to :mod:`pagedlab.engine.beams`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from pagedlab._checks import check_positive
-from pagedlab.engine.beam_search import beam_step
+from pagedlab.engine.beams import beam_step
 from pagedlab.engine.sequence import GroupOutput, SequenceGroup, SequenceOutput
 
 GREEDY_BELOW = 1e-5  # a temperature this small means greedy, as in vLLM

@@ -41,7 +41,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pagedlab._checks import check_positive
-from pagedlab.engine.beam_search import BeamSearchParams
+from pagedlab.engine.beams import BeamSearchParams
 from pagedlab.engine.policy import FCFS, Policy, enqueue, ranked
 from pagedlab.engine.sequence import GroupOutput, GroupStatus, Sequence, SequenceGroup
 from pagedlab.engine.stats import StepStats

@@ -96,7 +96,7 @@ class SequenceGroup:
     """One request: its sequences, parameters and status.
 
     ``params`` is a :class:`~pagedlab.engine.sampling.SamplingParams` or a
-    :class:`~pagedlab.engine.beam_search.BeamSearchParams`; ``stop_token_ids`` holds the
+    :class:`~pagedlab.engine.beams.BeamSearchParams`; ``stop_token_ids`` holds the
     tokens that end a sequence (the model's EOS unless ignored, plus the request's own);
     ``generators`` the random stream of each parallel sample (by index); ``completed`` the
     finished beams of beam search, best first; ``priority`` the request's urgency, smaller

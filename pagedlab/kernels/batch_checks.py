@@ -12,6 +12,7 @@ import torch
 
 from pagedlab.kernels.validate import (
     FLOAT_DTYPES,
+    _check_contiguous,
     _check_device,
     _check_rows,
     _check_seq_lens,
@@ -31,9 +32,9 @@ def check_decode_batch(
     query [num_seqs, num_heads, D] (fp32/fp16/bf16); ``cache`` [num_blocks, block_size, ...]
     of ``cache_ndim`` dimensions and one of ``cache_dtypes`` (default: query's dtype), on
     query's device; both unit stride in their last dimension; block_tables int32 [num_seqs,
-    max_blocks_per_seq] and seq_lens int32 [num_seqs] on query's device. ``check_values`` also
-    reads seq_lens and the used table entries (a device sync): 1 <= seq_len <= the table's
-    capacity, and every block exists.
+    max_blocks_per_seq] and seq_lens int32 [num_seqs] (contiguous) on query's device.
+    ``check_values`` also reads seq_lens and the used table entries (a device sync): 1 <=
+    seq_len <= the table's capacity, and every block exists.
     """
     _check_tensor("query", query, 3, FLOAT_DTYPES)
     _check_unit_stride("query", query)
@@ -42,6 +43,7 @@ def check_decode_batch(
     _check_unit_stride(cache_name, cache)
     _check_tensor("block_tables", block_tables, 2, (torch.int32,))
     _check_tensor("seq_lens", seq_lens, 1, (torch.int32,))
+    _check_contiguous("seq_lens", seq_lens)
     for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens)):
         _check_device(name, t, query.device)
         _check_rows(name, t, query.shape[0], "one per sequence of query")
@@ -66,9 +68,10 @@ def check_scale_vector(name: str, scale, length: int, device, *, check_values: b
 
 
 def check_slot_mapping(slot_mapping, num_tokens: int, capacity: int, device, *, check_values=True):
-    """int64 [num_tokens] on ``device``; if ``check_values``, no slot at or past ``capacity``
-    (the cache's num_blocks * block_size). Negative slots mean "skip" and are allowed."""
+    """int64 [num_tokens], contiguous, on ``device``; if ``check_values``, no slot at or past
+    ``capacity`` (the cache's num_blocks * block_size). Negative slots mean "skip", allowed."""
     _check_tensor("slot_mapping", slot_mapping, 1, (torch.int64,))
+    _check_contiguous("slot_mapping", slot_mapping)
     _check_device("slot_mapping", slot_mapping, device)
     _check_rows("slot_mapping", slot_mapping, num_tokens, "one slot per token")
     if check_values and slot_mapping.numel():

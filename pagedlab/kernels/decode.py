@@ -62,6 +62,7 @@ def _paged_attention_kernel(
     stride_c_token,
     stride_c_head,
     stride_t_seq,
+    stride_t_entry,
     stride_o_seq,
     stride_o_head,
     stride_o_split,
@@ -77,6 +78,7 @@ def _paged_attention_kernel(
     PRECISION: tl.constexpr,  # "ieee" for fp32 operands: no TF32 rounding
     SAVE_LSE: tl.constexpr,  # split-KV: write each split's log-sum-exp too
 ):
+    # >>> grid
     # Grid: (num_seqs, num_kv_heads, num_splits). Program (seq, kv_head, split) handles the query
     # heads kv_head * GROUP ... + GROUP - 1 over this split's share of the sequence's tokens.
     seq = tl.program_id(0).to(tl.int64)
@@ -84,11 +86,13 @@ def _paged_attention_kernel(
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
 
+    # >>> split
     # This split's tokens [start, end): an equal share of seq_len, rounded up to whole tiles.
     seq_len = tl.load(seq_lens_ptr + seq)
     split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), TILE) * TILE
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
+    # <<< split
 
     # The group's queries [GROUP_PAD, DIM_PAD]; padding rows and columns load as 0.
     rows = tl.arange(0, GROUP_PAD)
@@ -98,6 +102,7 @@ def _paged_attention_kernel(
     dim_ok = dims < HEAD_DIM
     q_ptrs = query_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + dims[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None] & dim_ok[None, :], other=0.0).to(DOT_DTYPE)
+    # <<< grid
 
     # Online-softmax state, fp32: running max m, running sum l, running weighted sum of values.
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
@@ -106,22 +111,28 @@ def _paged_attention_kernel(
 
     table_row = block_tables_ptr + seq * stride_t_seq
     for tile_start in range(start, end, TILE):
+        # >>> addresses
         # Logical token positions of this tile; tokens at or past `end` are masked.
         tokens = tile_start + tl.arange(0, TILE)  # [TILE]
         tok_ok = tokens < end
         # Physical address of each token: its block from the table, its slot within the block.
         # Block ids become int64 before the multiply: num_blocks * stride can exceed 2**31.
-        block_ids = tl.load(table_row + tokens // BLOCK_SIZE, mask=tok_ok, other=0).to(tl.int64)
+        entries = table_row + (tokens // BLOCK_SIZE) * stride_t_entry  # [TILE] table entries
+        block_ids = tl.load(entries, mask=tok_ok, other=0).to(tl.int64)
         token_offs = block_ids * stride_c_block + (tokens % BLOCK_SIZE) * stride_c_token  # [TILE]
         kv_offs = token_offs[:, None] + kv_head * stride_c_head + dims[None, :]  # [TILE, DIM_PAD]
+        # <<< addresses
+        # >>> masks
         # Masked loads never touch unused slots: whatever they hold (NaN included) reads as 0.
         kv_ok = tok_ok[:, None] & dim_ok[None, :]
         k = tl.load(key_cache_ptr + kv_offs, mask=kv_ok, other=0.0).to(DOT_DTYPE)
         v = tl.load(value_cache_ptr + kv_offs, mask=kv_ok, other=0.0).to(DOT_DTYPE)
 
+        # >>> online
         # Logits [GROUP_PAD, TILE] in fp32; masked tokens get -inf, so their weight is exactly 0.
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         s = tl.where(tok_ok[None, :], s, float("-inf"))
+        # <<< masks
 
         # Online softmax: raise the running max, rescale what was accumulated against the old one.
         m_new = tl.maximum(m, tl.max(s, axis=1))  # [GROUP_PAD], finite: each tile has a token
@@ -130,6 +141,7 @@ def _paged_attention_kernel(
         l = l * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=PRECISION)
         m = m_new
+        # <<< online
 
     # Normalise. A split that starts past seq_len saw no token (l = 0, m = -inf, acc = 0):
     # dividing by 1 instead of 0 makes it write out = 0 and lse = -inf, which the merge ignores.
@@ -161,6 +173,7 @@ def _merge_splits_kernel(
     DIM_PAD: tl.constexpr,
     SPLITS_PAD: tl.constexpr,  # num_splits rounded up to a power of two
 ):
+    # >>> merge
     # Grid: (num_seqs, num_heads). out = sum_s w_s out_s / sum_s w_s, w_s = exp(lse_s - max lse).
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -179,6 +192,7 @@ def _merge_splits_kernel(
     out = tl.sum(weight[:, None] * parts, axis=0) / tl.sum(weight, axis=0)  # [DIM_PAD]
     out_ptrs = out_ptr + seq * stride_o_seq + head * stride_o_head + dims
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=dim_ok)
+    # <<< merge
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:

@@ -148,6 +148,7 @@ def _paged_attention_fp8_kernel(
     stride_c_token,
     stride_c_head,
     stride_t_seq,
+    stride_t_entry,
     stride_o_seq,
     stride_o_head,
     BLOCK_SIZE: tl.constexpr,
@@ -163,8 +164,10 @@ def _paged_attention_fp8_kernel(
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
+    # >>> scales
     qk_scale = scale * tl.load(k_scale_ptr + kv_head)  # the key scale, folded in once
     v_scale = tl.load(v_scale_ptr + kv_head)
+    # <<< scales
 
     rows = tl.arange(0, GROUP_PAD)
     dims = tl.arange(0, DIM_PAD)
@@ -179,7 +182,8 @@ def _paged_attention_fp8_kernel(
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
     for tile_start in range(0, seq_len, TILE):
         slots, tok_ok = tile_slots(
-            table_row, tile_start, seq_len, stride_c_block, stride_c_token, BLOCK_SIZE, TILE
+            table_row, stride_t_entry, tile_start, seq_len, stride_c_block, stride_c_token,
+            BLOCK_SIZE, TILE,
         )
         kv_offs = slots[:, None] + kv_head * stride_c_head + dims[None, :]  # [TILE, DIM_PAD]
         kv_ok = tok_ok[:, None] & (dims < HEAD_DIM)[None, :]
@@ -189,7 +193,9 @@ def _paged_attention_fp8_kernel(
         s = group_logits(q, k, qk_scale, tok_ok, PRECISION)
         m, l, acc = online_softmax_step(m, l, acc, s, v, PRECISION)
 
+    # >>> output
     out = acc * (v_scale / l)[:, None]  # the value scale, applied once
+    # <<< output
     out_ptrs = out_ptr + seq * stride_o_seq + heads[:, None] * stride_o_head + dims[None, :]
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=io_ok)
 

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from pagedlab._checks import check_positive
+from pagedlab.dtypes import FP8
 from pagedlab.kernels import reference
 from pagedlab.kernels.batch_checks import (
     check_decode_batch,
@@ -27,6 +28,7 @@ from pagedlab.kernels.validate import (
     _check_like,
     _check_tensor,
     _check_unit_stride,
+    _check_writable,
 )
 
 __all__ = [
@@ -42,7 +44,6 @@ __all__ = [
     "quantize_inputs",
 ]
 
-FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448.0, the largest e4m3 value
 
 
@@ -78,6 +79,7 @@ def check_reshape_and_cache_fp8(
     _check_tensor("key_cache", key_cache, 4, (FP8,))
     _check_device("key_cache", key_cache, key.device)
     _check_unit_stride("key_cache", key_cache)
+    _check_writable("key_cache", key_cache)
     _check_like("value_cache", value_cache, "key_cache", key_cache, strides=True)
     if key.shape[1:] != key_cache.shape[2:]:
         raise ValueError(

@@ -47,6 +47,7 @@ def _mla_decode_kernel(
     stride_c_block,
     stride_c_token,
     stride_t_seq,
+    stride_t_entry,
     stride_o_seq,
     stride_o_head,
     BLOCK_SIZE: tl.constexpr,
@@ -84,8 +85,10 @@ def _mla_decode_kernel(
     acc = tl.zeros([HEADS, RANK_PAD], tl.float32)  # the output, in latent space
     for tile_start in range(0, seq_len, TILE):
         slots, tok_ok = tile_slots(
-            table_row, tile_start, seq_len, stride_c_block, stride_c_token, BLOCK_SIZE, TILE
+            table_row, stride_t_entry, tile_start, seq_len, stride_c_block, stride_c_token,
+            BLOCK_SIZE, TILE,
         )
+        # >>> latents
         rows = cache_ptr + slots[:, None]  # [TILE, 1]
         c = tl.load(rows + lat[None, :], mask=tok_ok[:, None] & lat_ok[None, :], other=0.0)
         k_rope = tl.load(
@@ -97,6 +100,7 @@ def _mla_decode_kernel(
         s += tl.dot(q_rope, tl.trans(k_rope), input_precision=PRECISION)
         s = tl.where(tok_ok[None, :], s * scale, float("-inf"))
         m, l, acc = online_softmax_step(m, l, acc, s, c, PRECISION)
+        # <<< latents
 
     out = acc / l[:, None]  # [HEADS, RANK_PAD]
     out_ptrs = out_ptr + seq * stride_o_seq + heads[:, None] * stride_o_head + lat[None, :]
@@ -148,7 +152,7 @@ def mla_decode(
         scale,
         *query.stride()[:2],
         *latent_cache.stride()[:2],
-        block_tables.stride(0),
+        *block_tables.stride(),
         *out.stride()[:2],
         BLOCK_SIZE=latent_cache.shape[1],
         NUM_HEADS=num_heads,

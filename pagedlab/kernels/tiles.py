@@ -85,12 +85,13 @@ def decode_meta(query, key_cache) -> dict:
 
 def decode_strides(query, key_cache, block_tables) -> tuple:
     """The strides a decode kernel takes, in its argument order: query (seq, head), cache
-    (block, token, head), block table (seq)."""
-    return (*query.stride()[:2], *key_cache.stride()[:3], block_tables.stride(0))
+    (block, token, head), block table (seq, entry), so that views of any of them read right."""
+    return (*query.stride()[:2], *key_cache.stride()[:3], *block_tables.stride())
 
 @triton.jit
 def tile_slots(
     table_row,  # pointer to this sequence's row of block_tables
+    stride_entry,  # block_tables' stride between a row's entries
     tile_start,
     end,  # tokens at or past `end` are masked
     stride_block,
@@ -102,7 +103,8 @@ def tile_slots(
     tokens = tile_start + tl.arange(0, TILE)  # [TILE] logical positions
     tok_ok = tokens < end
     # Block ids become int64 before the multiply: num_blocks * stride can exceed 2**31.
-    block_ids = tl.load(table_row + tokens // BLOCK_SIZE, mask=tok_ok, other=0).to(tl.int64)
+    entries = table_row + (tokens // BLOCK_SIZE) * stride_entry
+    block_ids = tl.load(entries, mask=tok_ok, other=0).to(tl.int64)
     return block_ids * stride_block + (tokens % BLOCK_SIZE) * stride_token, tok_ok
 
 

@@ -52,6 +52,7 @@ def _two_pass_kernel(
     stride_c_token,
     stride_c_head,
     stride_t_seq,
+    stride_t_entry,
     stride_o_seq,
     stride_o_head,
     stride_s_seq,
@@ -84,13 +85,15 @@ def _two_pass_kernel(
     if SCRATCH:  # this group's rows of the scratch buffer, [GROUP_PAD, 1]
         s_row = logits_ptr + seq * stride_s_seq + heads[:, None] * stride_s_head
 
+    # >>> passes
     # Pass 1: every key, for the logits' max m and sum l = sum exp(s - m) (running, as in
     # chapter 3's online softmax, but with no values to rescale).
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l = tl.zeros([GROUP_PAD], tl.float32)
     for tile_start in range(0, seq_len, TILE):
         slots, tok_ok = tile_slots(
-            table_row, tile_start, seq_len, stride_c_block, stride_c_token, BLOCK_SIZE, TILE
+            table_row, stride_t_entry, tile_start, seq_len, stride_c_block, stride_c_token,
+            BLOCK_SIZE, TILE,
         )
         kv_offs = slots[:, None] + head_offs  # [TILE, DIM_PAD]
         kv_ok = tok_ok[:, None] & dim_ok[None, :]
@@ -107,7 +110,8 @@ def _two_pass_kernel(
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
     for tile_start in range(0, seq_len, TILE):
         slots, tok_ok = tile_slots(
-            table_row, tile_start, seq_len, stride_c_block, stride_c_token, BLOCK_SIZE, TILE
+            table_row, stride_t_entry, tile_start, seq_len, stride_c_block, stride_c_token,
+            BLOCK_SIZE, TILE,
         )
         kv_offs = slots[:, None] + head_offs
         kv_ok = tok_ok[:, None] & dim_ok[None, :]
@@ -121,6 +125,7 @@ def _two_pass_kernel(
         p = tl.exp(s - m[:, None]) / l[:, None]  # [GROUP_PAD, TILE], final probabilities
         v = tl.load(value_cache_ptr + kv_offs, mask=kv_ok, other=0.0).to(DOT_DTYPE)
         acc += tl.dot(p.to(DOT_DTYPE), v, input_precision=PRECISION)
+        # <<< passes
 
     out_ptrs = out_ptr + seq * stride_o_seq + heads[:, None] * stride_o_head + dims[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])

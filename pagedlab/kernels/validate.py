@@ -2,9 +2,12 @@
 
 Every error names the argument that is wrong: a wrong type or dtype raises TypeError, a wrong
 shape, device, stride or value raises ValueError. Shape, dtype, device and stride checks read
-only metadata. The value checks (sequence lengths, block ids, slots) read the tensors, which on
-a GPU costs a device sync; the Triton wrappers let an engine that built those tensors itself
-skip them with ``check_values=False``.
+only metadata. Strides: the kernels take the strides of queries, caches, block tables and copy
+pairs, so views of those work, except that a head's vector must be one run (stride 1 in the last
+dimension) and a cache that is written must not be an expanded view; 1-D metadata (seq_lens,
+slot_mapping) must be contiguous. The value checks (sequence lengths, block ids, slots) read
+the tensors, which on a GPU costs a device sync; the Triton wrappers let an engine that built
+those tensors itself skip them with ``check_values=False``.
 """
 
 from __future__ import annotations
@@ -72,6 +75,23 @@ def _check_unit_stride(name: str, t: Tensor) -> None:
         )
 
 
+def _check_contiguous(name: str, t: Tensor) -> None:
+    """1-D metadata is read as one run: a kernel takes no stride for it."""
+    if not t.is_contiguous():
+        raise ValueError(
+            f"{name} must be contiguous, got strides {t.stride()}: pass {name}.contiguous()"
+        )
+
+
+def _check_writable(name: str, t: Tensor) -> None:
+    """A cache that is written: no dimension of an expanded view (stride 0) aliases its slots."""
+    if any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride())):
+        raise ValueError(
+            f"{name} is an expanded view (strides {t.stride()}): its slots alias, so it "
+            "cannot be written"
+        )
+
+
 def _check_pairs(name: str, mapping, device: torch.device | None) -> None:
     """An int64 [num_pairs, 2] tensor of (src, dst) block ids, on ``device`` if given."""
     _check_tensor(name, mapping, 2, (torch.int64,))
@@ -135,6 +155,7 @@ def check_paged_attention(
     _check_unit_stride("key_cache", key_cache)
     _check_tensor("block_tables", block_tables, 2, (torch.int32,))
     _check_tensor("seq_lens", seq_lens, 1, (torch.int32,))
+    _check_contiguous("seq_lens", seq_lens)
     for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens)):
         _check_device(name, t, query.device)
         _check_rows(name, t, num_seqs, "one per sequence of query")
@@ -179,7 +200,9 @@ def check_reshape_and_cache(
         )
     _check_unit_stride("key", key)
     _check_unit_stride("key_cache", key_cache)
+    _check_writable("key_cache", key_cache)
     _check_tensor("slot_mapping", slot_mapping, 1, (torch.int64,))
+    _check_contiguous("slot_mapping", slot_mapping)
     _check_device("slot_mapping", slot_mapping, key.device)
     _check_rows("slot_mapping", slot_mapping, key.shape[0], "one slot per token of key")
     if check_values and slot_mapping.numel():

@@ -7,7 +7,14 @@ cost model (:mod:`~pagedlab.sim.cost_model`); chapters 5 and 9 measure what shar
 """
 
 from pagedlab.sim.cost_model import CostModel
-from pagedlab.sim.memory_sim import POLICIES, KVPolicy, PagedKV, SimResult, make_policy, simulate
+from pagedlab.sim.memory_sim import (
+    MEMORY_SYSTEMS,
+    KVMemory,
+    PagedKV,
+    SimResult,
+    make_memory,
+    simulate,
+)
 from pagedlab.sim.simulator import (
     SYSTEM_NAMES,
     SYSTEMS,
@@ -15,8 +22,8 @@ from pagedlab.sim.simulator import (
     SimExecutor,
     knee_rate,
     knee_rates,
-    run,
     simulate_paged,
+    simulate_system,
     sweep,
     with_rate,
 )
@@ -31,8 +38,9 @@ from pagedlab.sim.traces import (
 )
 
 __all__ = [
-    "DATASETS", "POLICIES", "SYSTEMS", "SYSTEM_NAMES", "CostModel", "KVPolicy", "LengthStats",
-    "PagedConfig", "PagedKV", "Request", "SimExecutor", "SimResult", "clip_to_context",
-    "knee_rate", "knee_rates", "load_trace", "make_policy", "run", "shared_trace_path",
-    "simulate", "simulate_paged", "sweep", "synthetic_requests", "with_rate",
+    "DATASETS", "MEMORY_SYSTEMS", "SYSTEMS", "SYSTEM_NAMES", "CostModel", "KVMemory",
+    "LengthStats", "PagedConfig", "PagedKV", "Request", "SimExecutor", "SimResult",
+    "clip_to_context", "knee_rate", "knee_rates", "load_trace", "make_memory",
+    "shared_trace_path", "simulate", "simulate_paged", "simulate_system", "sweep",
+    "synthetic_requests", "with_rate",
 ]

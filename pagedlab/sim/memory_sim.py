@@ -43,8 +43,9 @@ if TYPE_CHECKING:
 BATCHING = ("iteration", "request")
 
 
-class KVPolicy(Protocol):
-    """What the simulation asks of a KV memory policy; requests are named by their id."""
+class KVMemory(Protocol):
+    """What the simulation asks of a KV memory system (the policy that hands out its slots);
+    requests are named by their id."""
 
     name: str
     capacity: int  # token slots in the pool
@@ -120,18 +121,19 @@ class PagedKV:
         return slots
 
 
-POLICIES = ("static", "orca-max", "orca-pow2", "orca-oracle", "paged")
+MEMORY_SYSTEMS = ("static", "orca-max", "orca-pow2", "orca-oracle", "paged")
 
 
-def make_policy(name: str, capacity: int, max_seq_len: int, block_size: int = 16) -> KVPolicy:
-    """A fresh policy by name (one of :data:`POLICIES`) over ``capacity`` token slots."""
+def make_memory(name: str, capacity: int, max_seq_len: int, block_size: int = 16) -> KVMemory:
+    """A fresh KV memory system by name (one of :data:`MEMORY_SYSTEMS`) over ``capacity``
+    token slots."""
     if name == "static":
         return static_max(capacity, max_seq_len)
-    if name.startswith("orca-") and name in POLICIES:
+    if name.startswith("orca-") and name in MEMORY_SYSTEMS:
         return orca(capacity, name.removeprefix("orca-"), max_seq_len)
     if name == "paged":
         return PagedKV(capacity, block_size)
-    raise ValueError(f"policy name={name!r} must be one of {POLICIES}")
+    raise ValueError(f"memory system name={name!r} must be one of {MEMORY_SYSTEMS}")
 
 
 @dataclass(frozen=True)
@@ -199,7 +201,7 @@ class SimResult:
 
 def simulate(
     requests: list[Request],
-    policy: KVPolicy,
+    policy: KVMemory,
     *,
     step_seconds: float | None = None,
     cost: CostModel | None = None,

@@ -22,8 +22,8 @@ from pagedlab.sim.traces import Request
 Workload = Callable[..., tuple[int, int]]  # (mgr, seq, prompt, k, steps, rng, share) -> counts
 
 
-def parallel_sampling(mgr, seq, prompt, n, steps, rng, share=True):
-    """``n`` samples of ``prompt`` for ``steps`` tokens each; (used, copied) as beam_search."""
+def play_parallel_sampling(mgr, seq, prompt, n, steps, rng, share=True):
+    """``n`` samples of ``prompt`` for ``steps`` tokens each; (used, copied) as play_beam_search."""
     samples = [f"{seq}/{k}" for k in range(n)]
     mgr.allocate(samples[0], prompt)
     for sample in samples[1:]:
@@ -44,7 +44,7 @@ def _log_softmax(logits):
     return shifted - np.log(np.exp(shifted).sum())
 
 
-ALTERNATIVES = 0.3  # fitted at beam width 6 to the paper's 55.2% (Fig. 15); see beam_search
+ALTERNATIVES = 0.3  # fitted at beam width 6 to the paper's 55.2% (Fig. 15); see play_beam_search
 PLAUSIBLE_GAP = 10.0  # nats that lift a plausible token above the rest of the vocabulary
 
 
@@ -62,7 +62,7 @@ def next_token_logprobs(rng, vocab=50, alternatives=ALTERNATIVES):
     return _log_softmax(logits)
 
 
-def beam_search(mgr, seq, prompt, width, steps, rng, share=True, vocab=50,
+def play_beam_search(mgr, seq, prompt, width, steps, rng, share=True, vocab=50,
                 alternatives=ALTERNATIVES):
     """Beam search from ``prompt`` on ``mgr`` for ``steps`` tokens, scored by a toy model.
 

@@ -9,8 +9,8 @@ with ``ignore_eos``), so the trace, not a model, decides when it stops.
 
 The baselines (FasterTransformer's static batching, Orca's Max / Pow2 / Oracle reservation)
 reserve contiguous regions, which the paged manager cannot express; they run through the
-step loop of :mod:`pagedlab.sim.memory_sim` with the same cost model. :func:`run` serves one
-trace under any of :data:`SYSTEMS`; :func:`sweep` runs rates in parallel processes;
+step loop of :mod:`pagedlab.sim.memory_sim` with the same cost model. :func:`simulate_system`
+serves one trace under any of :data:`SYSTEMS`; :func:`sweep` runs rates in parallel processes;
 :func:`knee_rate` finds where normalised latency crosses a threshold (the paper's Fig. 12).
 """
 
@@ -31,7 +31,7 @@ from pagedlab.engine.sequence import GroupOutput, SequenceOutput
 from pagedlab.memory import KVCacheManager
 from pagedlab.memory.contiguous import CATEGORIES
 from pagedlab.sim.cost_model import CostModel
-from pagedlab.sim.memory_sim import SimResult, make_policy, simulate
+from pagedlab.sim.memory_sim import SimResult, make_memory, simulate
 from pagedlab.sim.traces import Request, clip_to_context, synthetic_requests
 
 SYSTEMS = ("paged", "orca-oracle", "orca-pow2", "orca-max", "static")
@@ -166,7 +166,7 @@ def simulate_paged(
     )
 
 
-def run(system: str, requests: list[Request], cost: CostModel, **paged) -> SimResult:
+def simulate_system(system: str, requests: list[Request], cost: CostModel, **paged) -> SimResult:
     """Serve ``requests`` under ``system`` (one of :data:`SYSTEMS`) on ``cost``'s GPU.
 
     Requests are clipped to the model's context. ``paged`` holds :class:`PagedConfig` fields
@@ -180,7 +180,7 @@ def run(system: str, requests: list[Request], cost: CostModel, **paged) -> SimRe
     if system not in SYSTEMS:
         raise ValueError(f"system={system!r} must be one of {SYSTEMS}")
     capacity = cost.kv_capacity_tokens(config.gpu_memory_utilization)
-    policy = make_policy(system, capacity, max_len)
+    policy = make_memory(system, capacity, max_len)
     return simulate(requests, policy, cost=cost,
                     batching="request" if system == "static" else "iteration")
 
@@ -201,7 +201,7 @@ class Point:
 def _point(args) -> Point:
     system, dataset, rate, num_requests, seed, cost, paged = args
     requests = synthetic_requests(dataset, num_requests, rate=rate, seed=seed)
-    res = run(system, requests, cost, **paged)
+    res = simulate_system(system, requests, cost, **paged)
     return Point(system, rate, paged, res.normalized_latency, res.throughput, res.mean_batch,
                  res.preemptions)
 
@@ -222,7 +222,7 @@ def sweep(
     """Each system at each Poisson ``rate`` on synthetic ``dataset`` requests arriving for
     ``duration`` seconds (at least ``min_requests``; one seed, so the same lengths in the same
     order at every rate), once per entry of ``configs`` (:class:`PagedConfig` fields, as for
-    :func:`run`). ``workers > 1`` runs the points in parallel processes.
+    :func:`simulate_system`). ``workers > 1`` runs the points in parallel processes.
 
     Past its capacity a system's queue grows for as long as requests keep coming, so the
     latency at a rate, and the knee, depend on ``duration``: the paper's traces last an hour.

@@ -169,10 +169,21 @@ def _parse_length(text: str, where: str, column: str) -> int:
     return int(value)
 
 
+def _check_cells(row: dict, header: list[str], where: str) -> None:
+    """One cell per column: csv.DictReader fills a short row's last columns with None and
+    files a long row's extra cells under the key None."""
+    missing = [c for c in header if row[c] is None]
+    extra = row.get(None) or []
+    if missing or extra:
+        cells = len(header) - len(missing) + len(extra)
+        detail = f", missing {', '.join(missing)}" if missing else ""
+        raise ValueError(f"{where}: {cells} cells where the header has {len(header)}{detail}")
+
+
 def load_trace(path, limit: int | None = None) -> list[Request]:
     """Requests of a CSV trace with columns ``arrived_at`` (s), ``num_prefill_tokens`` and
     ``num_decode_tokens``, in file order; at most ``limit`` of them. Errors name the file and
-    row (row 1 is the header)."""
+    row, numbered as the file's lines (row 1 is the header)."""
     if limit is not None:
         check_positive("limit", limit, integer=True)
     requests: list[Request] = []
@@ -182,14 +193,15 @@ def load_trace(path, limit: int | None = None) -> list[Request]:
         if missing:
             raise ValueError(f"{path}, row 1: missing column(s) {', '.join(missing)} "
                              f"(found {reader.fieldnames})")
-        for row_number, row in enumerate(reader, start=2):
+        for row in reader:
             if limit is not None and len(requests) == limit:
                 break
-            where = f"{path}, row {row_number}"
+            where = f"{path}, row {reader.line_num}"  # blank lines count, as in an editor
+            _check_cells(row, reader.fieldnames, where)
             text = row["arrived_at"]
             try:
                 arrival = float(text)
-            except (TypeError, ValueError):
+            except ValueError:
                 raise ValueError(f"{where}: arrived_at={text!r} is not a number") from None
             if requests and arrival < requests[-1].arrival:
                 raise ValueError(f"{where}: arrived_at={arrival} is earlier than the previous "

@@ -1,0 +1,59 @@
+"""The helpers chapters share: marked source excerpts, tensor differences, timing."""
+
+import importlib
+import re
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedlab.book import excerpt, max_diff
+from pagedlab.kernels import decode
+from pagedlab.timing import copy_bandwidth, seconds_per_call
+
+BOOK = Path(__file__).resolve().parents[1] / "book"
+CALL = re.compile(r"""excerpt\((\w+)\.(\w+), "(\w+)"\)""")  # excerpt(module.function, "section")
+
+
+def test_a_section_is_the_lines_between_its_markers_without_any_marker(capsys):
+    excerpt(decode._paged_attention_kernel, "split")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("# This split's tokens")
+    assert lines[-1] == "end = tl.minimum(start + split_len, seq_len)"
+    excerpt(decode._paged_attention_kernel, "grid")  # holds the split section inside it
+    grid = capsys.readouterr().out
+    assert "\n".join(lines) in grid and "# >>>" not in grid and "# <<<" not in grid
+    excerpt(decode._paged_attention_kernel)  # the whole kernel, still without markers
+    whole = capsys.readouterr().out
+    assert whole.startswith("@triton.jit") and "# >>>" not in whole
+    assert textwrap.indent(grid, "    ") in whole  # the section, at the kernel body's indent
+
+
+def test_an_unknown_section_is_named_with_the_sections_there_are():
+    with pytest.raises(ValueError, match=r"no section 'nope' .* \['merge'\]"):
+        excerpt(decode._merge_splits_kernel, "nope")
+
+
+def test_every_section_the_chapters_excerpt_exists(capsys):
+    calls = [(md.name, *c) for md in sorted(BOOK.glob("ch*.md"))
+             for c in CALL.findall(md.read_text())]
+    assert len(calls) >= 10  # chapters 7 and 10
+    for chapter, module, function, section in calls:
+        fn = getattr(importlib.import_module(f"pagedlab.kernels.{module}"), function)
+        excerpt(fn, section)
+        assert capsys.readouterr().out.strip(), (chapter, function, section)
+
+
+def test_max_diff_is_the_largest_absolute_difference_in_float64():
+    a = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float16)
+    b = torch.tensor([1.5, -2.0, 3.0])
+    assert max_diff(a, b) == 4.0
+    assert max_diff(torch.tensor([1e-12], dtype=torch.float64), torch.zeros(1)) == 1e-12
+
+
+def test_seconds_per_call_warms_up_then_takes_the_median():
+    calls = []
+    assert seconds_per_call(lambda: calls.append(1), repeats=5) >= 0
+    assert len(calls) == 6 or torch.cuda.is_available()  # do_bench decides on a GPU
+    assert copy_bandwidth(2**12) > 0

@@ -1,0 +1,263 @@
+"""Rules of the KV memory that mutation testing found unchecked (tests/MUTATION.md): capacity
+edges, arguments named in errors, forks keeping their prefix-cache keys, the invariant checks'
+own messages, and the contiguous baselines' slot maps agreeing with their breakdowns."""
+
+import numpy as np
+import pytest
+
+from pagedlab.memory import (
+    CATEGORIES,
+    BlockAllocator,
+    BuddyAllocator,
+    ContiguousKV,
+    FixedSlots,
+    InvariantError,
+    KVCacheManager,
+    OutOfBlocks,
+    PrefixCache,
+    StateError,
+    orca,
+    static_max,
+)
+from pagedlab.sim.traces import Request
+
+# --- the manager ---------------------------------------------------------------------------
+
+
+def test_capacity_questions_take_whole_token_counts_and_name_them():
+    mgr = KVCacheManager(4, 4)
+    mgr.allocate("a", [1, 2, 3])
+    for call in (lambda: mgr.can_allocate(2.5), lambda: mgr.can_append("a", 1.0)):
+        with pytest.raises(ValueError, match=r"num_tokens=.* must be an integer"):
+            call()
+    with pytest.raises(ValueError, match=r"start=1.0 must be an integer"):
+        mgr.slot_mapping("a", 1.0, 2)
+    with pytest.raises(ValueError, match=r"end=-1 must be >= 0"):
+        mgr.slot_mapping("a", 0, -1)
+    assert mgr.slot_mapping("a", 1, 3) == [1, 2]
+
+
+def test_a_request_that_needs_exactly_the_free_blocks_fits():
+    mgr = KVCacheManager(3, 4, num_cpu_blocks=4)
+    mgr.allocate("a", list(range(4)))  # one full block
+    mgr.allocate("b", list(range(7)))  # two blocks, one slot left: the pool is full
+    assert mgr.can_append("b")  # the default is one token: it fits the last slot
+    assert not mgr.can_append("b", 2)
+    mgr.swap_out("a")  # one block free
+    assert mgr.can_append("b", 5) and not mgr.can_append("b", 6)  # 1 slot + 1 block, exactly
+    mgr.allocate("c", [1])  # takes it
+    assert not mgr.can_swap_in("a")
+    mgr.free("c")
+    assert mgr.can_swap_in("a")  # one block needed, one free
+
+
+def test_a_fork_keeps_caching_the_blocks_it_fills():
+    """A forked sequence goes on registering its full blocks in the prefix cache."""
+    mgr = KVCacheManager(8, 4, enable_prefix_caching=True)
+    mgr.allocate("a", [1, 2, 3, 4, 5, 6])  # a full block and half of one
+    mgr.fork("a", "b")
+    mgr.append("b", [7, 8])  # b's second block: a copy of a's half block, now full
+    mgr.free("b")
+    mgr.free("a")
+    assert mgr.allocate("c", [1, 2, 3, 4, 5, 6, 7, 8, 9]) == 8  # both blocks come from cache
+
+
+def test_a_swapped_in_sequence_caches_its_full_blocks_again():
+    mgr = KVCacheManager(4, 2, num_cpu_blocks=4, enable_prefix_caching=True)
+    mgr.allocate("a", [1, 2, 3, 4, 5])
+    mgr.swap_out("a")
+    mgr.allocate("x", [9, 9, 9, 9, 9, 9])  # evicts a's cached GPU blocks: all 3 are needed
+    mgr.free("x")
+    mgr.swap_in("a")  # a's blocks come back to new GPU blocks, cached again from the first
+    mgr.free("a")
+    assert mgr.allocate("b", [1, 2, 3, 4, 6]) == 4
+    with pytest.raises(ValueError, match="^name at least one sequence$"):
+        mgr.swap_out()
+
+
+def test_eviction_without_a_listener():
+    mgr = KVCacheManager(2, 2, enable_prefix_caching=True)
+    mgr.allocate("a", [1, 2, 3])
+    mgr.free("a")  # the full block [1, 2] is parked
+    mgr.allocate("b", [5, 6, 7, 8])  # needs both blocks: the parked one is evicted
+    assert mgr.prefix_stats.evictions == 1
+    mgr.check_invariants()
+
+
+def test_an_error_without_an_owner_says_a_request():
+    assert str(OutOfBlocks(3, 1, "gpu")) == "a request needs 3 blocks, pool 'gpu' has 1 free"
+
+
+def test_only_a_parked_block_can_be_revived():
+    allocator = BlockAllocator(2)
+    for block in (2, -1):  # past the pool, before it
+        with pytest.raises(StateError, match=f"block {block} of pool 'gpu' is not parked"):
+            allocator.revive(block)
+
+
+@pytest.mark.parametrize("corrupt, message", [
+    (lambda a: a._refs.__setitem__(2, -1), r"^block 2 of pool 'gpu' has refcount -1$"),
+    (lambda a: a._free.append(a._free[-1]), r"^block 1 is twice on the free list of pool 'gpu'$"),
+    (lambda a: a._free.append(4), r"^block 4 is on the free list of pool 'gpu' but in use$"),
+])
+def test_the_allocators_invariants_name_the_block(corrupt, message):
+    allocator = BlockAllocator(4)
+    allocator.allocate(1)
+    allocator.check_invariants()
+    corrupt(allocator)
+    with pytest.raises(InvariantError, match=message):
+        allocator.check_invariants()
+
+
+def test_only_a_used_block_can_be_shared():
+    with pytest.raises(StateError, match="block 2"):
+        BlockAllocator(2).share([2])
+
+
+# --- the prefix cache's own checks ---------------------------------------------------------
+
+
+def cached_pair():
+    """A prefix cache holding a two-block chain, both blocks parked."""
+    mgr = KVCacheManager(4, 2, enable_prefix_caching=True)
+    mgr.allocate("a", [1, 2, 3, 4, 5])
+    mgr.free("a")
+    cache = mgr.prefix_cache
+    (head, tail) = sorted(cache._entry, key=lambda b: cache._entry[b][1] is not None)
+    return mgr, cache, head, tail
+
+
+def test_tokens_of_a_block_are_the_ones_cached_in_it():
+    mgr, cache, head, tail = cached_pair()
+    assert cache.tokens_of(head) == (1, 2) and cache.tokens_of(tail) == (3, 4)
+    free = next(b for b in range(4) if b not in (head, tail))
+    assert cache.tokens_of(free) is None
+
+
+CORRUPTIONS = {
+    "a key too many": (lambda c, h, t: c._block_of.__setitem__(99, h),
+                       r"^3 keys for 2 cached blocks$"),
+    "a key to another block": (lambda c, h, t: c._block_of.__setitem__(c._entry[t][0], h),
+                               r"^cached block \d of pool 'gpu': its key does not map back to it$"),
+    "a short block": (lambda c, h, t: c._entry.__setitem__(h, (*c._entry[h][:2], (1,))),
+                      r"^cached block \d of pool 'gpu' holds 1 tokens, not a full block$"),
+    "in use and parked": (lambda c, h, t: c.allocator._refs.__setitem__(h, 1),
+                          r"^cached block \d of pool 'gpu': 1 users, parked: True$"),
+    "unused, not parked": (lambda c, h, t: c._parked.pop(t),
+                           r"^cached block \d of pool 'gpu': 0 users, parked: False$"),
+    "an orphan": (lambda c, h, t: c._entry.__setitem__(t, (c._entry[t][0], 99, c._entry[t][2])),
+                  r"^cached block \d of pool 'gpu': its parent block 99 is not cached$"),
+    "parent evicted first": (lambda c, h, t: c._parked.move_to_end(h, last=False),
+                             r"^cached block \d of pool 'gpu' would be evicted after its parent"),
+    "a wrong key": (lambda c, h, t: c._entry.__setitem__(h, (c._entry[h][0], None, (7, 7))),
+                    r"^cached block \d of pool 'gpu': key does not match its tokens and parent$"),
+    "a parked stranger": (lambda c, h, t: c._parked.__setitem__(3, None),
+                          r"^parked block 3 of pool 'gpu' is not cached$"),
+}
+
+
+@pytest.mark.parametrize("case", CORRUPTIONS)
+def test_each_invariant_names_what_is_wrong(case):
+    mgr, cache, head, tail = cached_pair()
+    cache.check_invariants()
+    corrupt, message = CORRUPTIONS[case]
+    corrupt(cache, head, tail)
+    with pytest.raises(InvariantError, match=message):
+        cache.check_invariants()
+
+
+def test_a_child_in_use_needs_its_parent_in_use():
+    mgr, cache, head, tail = cached_pair()
+    cache._parked.pop(tail)
+    cache.allocator._refs[tail] = 1
+    with pytest.raises(InvariantError, match=rf"block {tail} .* is in use but its parent {head}"):
+        cache.check_invariants()
+
+
+def test_a_standalone_prefix_cache_evicts_in_lru_order():
+    allocator = BlockAllocator(3)
+    cache = PrefixCache(allocator, 2)
+    for block in (2, 0, 1):
+        cache._entry[block] = (block, None, (block, block))
+        cache._block_of[block] = block
+        cache.park(block)
+    assert cache.evict(2) == [2, 0] and cache.num_cached == 1
+
+
+# --- the contiguous baselines --------------------------------------------------------------
+
+
+def test_fixed_slots_cut_only_whole_slots():
+    for capacity, slots in ((10, 2), (9, 1), (14, 2)):  # a tail shorter than a slot is no slot
+        pool = FixedSlots(capacity, 5)
+        assert [pool.allocate(5) for _ in range(slots)] == list(range(0, 5 * slots, 5))
+        assert not pool.can_allocate(1)
+        assert pool.used_blocks() == [(o, 5) for o in range(0, 5 * slots, 5)]
+    assert FixedSlots(9, 5).free_extents() == [(0, 5), (5, 4)]  # a slot, then the tail
+    assert FixedSlots(10, 5).free_extents() == [(0, 5), (5, 5)]  # no empty tail
+    for args, name in (((10.0, 5), "capacity"), ((10, 5.0), "slot_size")):
+        with pytest.raises(ValueError, match=f"^{name}=.* must be an integer$"):
+            FixedSlots(*args)
+    with pytest.raises(ValueError, match=r"size=2.5 must be an integer"):
+        FixedSlots(10, 5).block_size(2.5)
+
+
+def test_buddy_blocks_merge_back_whatever_the_order_of_frees():
+    with pytest.raises(ValueError, match=r"^capacity=16.0 must be an integer$"):
+        BuddyAllocator(16.0)
+    buddy = BuddyAllocator(16)
+    with pytest.raises(ValueError, match=r"^size=2.5 must be an integer$"):
+        buddy.block_size(2.5)
+    offsets = [buddy.allocate(4) for _ in range(4)]
+    for offset in (offsets[1], offsets[0], offsets[3], offsets[2]):
+        buddy.free(offset)
+    assert buddy.free_extents() == [(0, 16)]
+    assert buddy.allocate(16) == 0
+
+
+def test_baselines_are_named_as_in_the_paper():
+    with pytest.raises(ValueError, match="^max_seq_len=0 must be > 0$"):
+        orca(64, "max", 0)
+    with pytest.raises(ValueError, match="^max_seq_len=2.5 must be an integer$"):
+        orca(64, "max", 2.5)
+    assert ContiguousKV(BuddyAllocator(64), "pow2", 16).name == "BuddyAllocator (pow2)"
+
+
+def test_admission_stores_one_to_all_of_a_requests_tokens():
+    kv = orca(64, "oracle", 16)
+    request = Request(0, 0.0, 3, 5)
+    for bad in (0, 9):
+        with pytest.raises(ValueError, match=rf"num_tokens={bad} must lie in \[1, 8\]"):
+            kv.admit(request, bad)
+    kv.admit(request, 8)  # a whole request, as after a recomputation
+    assert kv.breakdown().tokens == 8
+    assert static_max(64, 16).name == "Static (Max)"
+    assert [orca(64, r, 16).name for r in ("max", "pow2", "oracle")] == [
+        "Orca (Max)", "Orca (Pow2)", "Orca (Oracle)"]
+
+
+@pytest.mark.parametrize("make", [lambda: static_max(64, 16), lambda: orca(64, "pow2", 16),
+                                  lambda: orca(60, "oracle", 16)])
+def test_the_slot_map_counts_what_the_breakdown_says(make):
+    """Slot by slot (slot_map) and in totals (breakdown), every state, with and without a
+    request waiting; a free extent exactly the waiting request's size is free, not external."""
+    kv = make()
+    rng = np.random.default_rng(0)
+    waiting = [None, Request(99, 0.0, 3, 5), Request(98, 0.0, 1, 15), Request(97, 0.0, 2, 2)]
+    live, next_id = [], 0
+    for _ in range(40):
+        request = Request(next_id, 0.0, int(rng.integers(1, 6)), int(rng.integers(1, 9)))
+        if rng.random() < 0.6 and kv.can_admit(request, request.prompt_len):
+            kv.admit(request, request.prompt_len)
+            live.append(request.id)
+            next_id += 1
+        elif live and rng.random() < 0.5:
+            kv.free(live.pop(int(rng.integers(len(live)))))
+        for rid in live:
+            if kv.can_append(rid):
+                kv.append(rid)
+        for w in waiting:
+            slots = kv.slot_map(w)
+            assert slots.dtype == np.int8 and slots.shape == (kv.capacity,)
+            counts = np.bincount(slots, minlength=len(CATEGORIES))
+            assert dict(zip(CATEGORIES, counts.tolist())) == vars(kv.breakdown(w))

@@ -1,0 +1,243 @@
+"""The scheduler's rules one by one, each worked out by hand on a model-free scheduler (written
+to kill the mutants that survived the other tests: tests/MUTATION.md)."""
+
+import pytest
+
+from pagedlab.engine import (
+    CacheTooSmall,
+    GroupOutput,
+    GroupStatus,
+    SamplingParams,
+    Scheduler,
+    SchedulerConfig,
+    SequenceOutput,
+)
+from pagedlab.memory import KVCacheManager
+
+
+def make(num_blocks=8, block_size=4, num_cpu_blocks=0, **config):
+    return Scheduler(KVCacheManager(num_blocks, block_size, num_cpu_blocks),
+                     SchedulerConfig(**config))
+
+
+def add(sched, rid, prompt_len, max_tokens=4, n=1, stop=()):
+    return sched.add_request(rid, list(range(1, prompt_len + 1)),
+                             SamplingParams(n=n, max_tokens=max_tokens, seed=0),
+                             stop_token_ids=stop)
+
+
+def run_step(sched, token=7):
+    """One step in which every live sequence samples ``token`` (every sample of a prompt's
+    step included)."""
+    step = sched.schedule()
+    outputs = []
+    for group in step.groups:
+        if group.is_prefilled:
+            children = [SequenceOutput(s, token, 0.0) for s in group.live]
+        else:
+            children = [SequenceOutput(group.seqs[0], token, 0.0)] * group.params.n
+        outputs.append(GroupOutput(group, children))
+    return step, sched.update(outputs)
+
+
+# --- configuration and requests -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("config, message", [
+    (dict(max_num_seqs=0), r"max_num_seqs=0 must be > 0"),
+    (dict(max_num_seqs=2.0), r"max_num_seqs=2.0 must be an integer"),
+    (dict(max_num_batched_tokens=2.5), r"max_num_batched_tokens=2.5 must be an integer"),
+    (dict(max_num_seqs=8, max_num_batched_tokens=7),
+     r"max_num_batched_tokens=7 must be at least max_num_seqs=8: each running sequence"),
+    (dict(preemption_mode="drop"),
+     r"preemption_mode='drop' must be one of \('recompute', 'swap'\)"),
+    (dict(watermark=1.0), r"watermark=1.0 must be in \[0, 1\)"),
+    (dict(watermark=-0.1), r"watermark=-0.1 must be in \[0, 1\)"),
+])
+def test_a_bad_config_is_named(config, message):
+    with pytest.raises(ValueError, match=message):
+        SchedulerConfig(**config)
+
+
+def test_the_edges_of_the_config_are_allowed():
+    SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=8, watermark=0.0)
+    with pytest.raises(TypeError, match=r"policy=.* must be an instance of a pagedlab.engine."
+                       r"Policy subclass, such as FCFS\(\) \(an instance, not the class\)"):
+        SchedulerConfig(policy=object())
+
+
+def test_requests_that_can_never_run_are_named():
+    sched = make(num_blocks=4, watermark=0.25, max_num_seqs=2, max_num_batched_tokens=64)
+    with pytest.raises(ValueError, match=r"request 'e': the prompt is empty"):
+        sched.add_request("e", [], SamplingParams())
+    with pytest.raises(ValueError, match=r"request 'w' runs 3 sequences at once, more than "
+                                         r"max_num_seqs=2"):
+        add(sched, "w", 4, n=3)
+    # 4 blocks, watermark 1: a 12-token prompt (3 blocks) fits, 13 tokens (4 blocks) never does
+    add(sched, "ok", 12)
+    with pytest.raises(CacheTooSmall, match=r"request 'big': its prompt of 13 tokens needs 4 "
+                       r"blocks of 4 tokens, but admission can use at most 3 \(4 blocks, 1 kept"):
+        add(sched, "big", 13)
+    assert [g.request_id for g in sched.waiting] == ["ok"]
+
+
+# --- admission ------------------------------------------------------------------------------
+
+
+def test_admission_fills_the_token_budget_and_a_big_prefill_runs_alone():
+    sched = make(num_blocks=16, max_num_seqs=4, max_num_batched_tokens=8, watermark=0.0)
+    for rid, n in (("a", 3), ("b", 5), ("c", 1), ("big", 12), ("d", 2)):
+        add(sched, rid, n)
+    steps = []
+    while sched.has_unfinished:
+        step, _ = run_step(sched)
+        steps.append(([g.request_id for g in step.groups], step.stats.batched_tokens))
+    # by hand: a + b fill the budget of 8; their 2 decodes leave 6, enough for c and not for
+    # big, which stops the queue (FCFS); big, larger than any budget, waits until it can run
+    # alone; d follows it.
+    assert steps[:2] == [(["a", "b"], 8), (["a", "b", "c"], 3)]
+    alone = steps.index((["big"], 12))
+    assert all("big" not in groups for groups, _ in steps[:alone])
+    assert steps[alone + 1] == (["big", "d"], 3)
+
+
+def test_admission_stops_at_the_seats():
+    sched = make(num_blocks=16, max_num_seqs=3, watermark=0.0)
+    add(sched, "a", 2, n=2)
+    add(sched, "b", 2, n=2)
+    add(sched, "c", 2, n=1)
+    step, _ = run_step(sched)
+    assert [g.request_id for g in step.groups] == ["a"]  # "b" needs 2 more seats of 1 left
+    assert step.stats.waiting == 2 and step.stats.running == 1
+
+
+def test_admission_keeps_the_watermark_free():
+    sched = make(num_blocks=10, watermark=0.2)  # 2 blocks kept free
+    add(sched, "a", 16)  # 4 blocks
+    add(sched, "b", 16)  # 4 more would leave 2: allowed
+    add(sched, "c", 1)  # 1 more would leave 1: not while the watermark holds
+    step = sched.schedule()
+    assert [g.request_id for g in step.groups] == ["a", "b"]
+    assert sched.manager.num_free_blocks == 2 and sched.watermark_blocks == 2
+
+
+# --- decoding and preemption ----------------------------------------------------------------
+
+
+def test_a_decode_takes_a_block_only_after_a_full_one():
+    sched = make(num_blocks=8, watermark=0.0)
+    add(sched, "a", 3, max_tokens=6)
+    used = []
+    while sched.has_unfinished:
+        step, _ = run_step(sched)
+        used.append(step.stats.used_blocks)
+    # tokens in the cache after each step's scheduling: 3, 4, 5, 6, 7, 8 -> blocks of 4
+    assert used == [1, 1, 2, 2, 2, 2]
+
+
+def test_forked_samples_share_the_prompt_and_copy_on_write():
+    sched = make(num_blocks=8, watermark=0.0)
+    add(sched, "a", 6, max_tokens=3, n=3)
+    step, _ = run_step(sched)  # the prompt once, then three samples share its two blocks
+    assert step.stats.prefill_seqs == 1 and sched.manager.num_used_blocks == 2
+    step, _ = run_step(sched)  # each appends to the shared half block: two copies, one keeps it
+    assert step.stats.decode_seqs == 3 and step.stats.blocks_copied == 2
+    assert sched.manager.num_used_blocks == 4
+
+
+def test_forks_are_numbered_after_the_samples_there_are():
+    sched = make(num_blocks=8, watermark=0.0)
+    group = add(sched, "a", 6, max_tokens=3, n=4)
+    run_step(sched)
+    assert [s.index for s in group.seqs] == [0, 1, 2, 3]
+    assert len({s.seq_id for s in group.seqs}) == 4
+
+
+def test_the_copy_on_write_need_is_counted_before_preempting():
+    """Three samples on a shared half block need two blocks, not three, so with exactly two
+    free nothing is preempted."""
+    sched = make(num_blocks=4, watermark=0.0)
+    add(sched, "a", 6, max_tokens=3, n=3)
+    run_step(sched)
+    assert sched.manager.num_free_blocks == 2
+    step, _ = run_step(sched)
+    assert step.stats.preempted == () and step.stats.blocks_copied == 2
+
+
+def test_swap_out_and_back_in_when_room_returns():
+    sched = make(num_blocks=3, num_cpu_blocks=4, watermark=0.0, preemption_mode="swap")
+    add(sched, "a", 4, max_tokens=3)
+    add(sched, "b", 4, max_tokens=6)
+    run_step(sched)  # two full blocks, one free
+    step, _ = run_step(sched)  # both need a block: b, the latest, goes to the CPU
+    assert step.stats.preempted == (("b", "swap"),) and step.stats.blocks_swapped_out == 1
+    assert sched.swapped[0].status is GroupStatus.SWAPPED
+    statuses = []
+    while sched.has_unfinished:
+        step, done = run_step(sched)
+        statuses.append((step.stats.swapped_in, step.stats.blocks_swapped_in))
+    assert (("b",), 1) in statuses  # back once a finished off the GPU
+    assert sched.manager.num_used_blocks == 0 and sched.manager.cpu.num_used == 0
+
+
+def test_a_full_cpu_pool_falls_back_to_recompute():
+    sched = make(num_blocks=3, num_cpu_blocks=0, watermark=0.0, preemption_mode="swap")
+    add(sched, "a", 4, max_tokens=3)
+    add(sched, "b", 4, max_tokens=3)
+    run_step(sched)
+    step, _ = run_step(sched)
+    assert step.stats.preempted == (("b", "recompute"),)
+    assert sched.waiting[0].request_id == "b" and sched.waiting[0].status is GroupStatus.WAITING
+
+
+def test_nothing_is_admitted_in_a_step_that_preempted():
+    sched = make(num_blocks=3, watermark=0.0)
+    add(sched, "a", 4, max_tokens=4)
+    add(sched, "b", 4, max_tokens=4)
+    run_step(sched)
+    add(sched, "c", 1)
+    step, _ = run_step(sched)
+    assert step.stats.preempted == (("b", "recompute"),) and step.stats.prefill_seqs == 0
+
+
+def test_a_group_alone_that_cannot_grow_is_reported_and_abortable():
+    sched = make(num_blocks=2, watermark=0.0)
+    add(sched, "a", 8, max_tokens=4)
+    run_step(sched)
+    with pytest.raises(CacheTooSmall, match=r"request 'a' needs 3 blocks of 4 tokens to go on, "
+                                              r"more than the cache's 2 \(watermark 0\)"):
+        sched.schedule()
+    sched.abort_all()
+    assert not sched.has_unfinished and sched.manager.num_used_blocks == 0
+
+
+def test_a_stop_token_or_max_tokens_ends_a_sequence_and_frees_it():
+    sched = make(num_blocks=8, watermark=0.0)
+    add(sched, "stops", 2, max_tokens=10, stop=(7,))
+    add(sched, "runs", 2, max_tokens=2)
+    step, done = run_step(sched, token=7)
+    assert [g.request_id for g in done] == ["stops"]
+    assert done[0].seqs[0].finish_reason == "stop" and done[0].status is GroupStatus.FINISHED
+    step, done = run_step(sched, token=5)
+    assert [g.request_id for g in done] == ["runs"] and done[0].seqs[0].finish_reason == "length"
+    assert sched.manager.num_used_blocks == 0 and not sched.has_unfinished
+
+
+def test_decodes_take_their_tokens_out_of_the_budget_and_steps_are_numbered():
+    sched = make(num_blocks=16, max_num_seqs=4, max_num_batched_tokens=8, watermark=0.0)
+    for rid, n in (("a", 3), ("b", 5), ("c", 6), ("d", 3)):
+        add(sched, rid, n)
+    first, _ = run_step(sched)
+    second, _ = run_step(sched)  # 8 - 2 decodes = 6: exactly c's prompt, nothing left for d
+    assert [g.request_id for g in second.groups] == ["a", "b", "c"]
+    assert (first.stats.step, second.stats.step, sched.num_steps) == (0, 1, 2)
+
+
+def test_abort_all_finishes_every_sequence_as_aborted():
+    sched = make(num_blocks=8, watermark=0.0)
+    groups = [add(sched, "a", 4), add(sched, "b", 4, n=2), add(sched, "c", 30)]
+    run_step(sched)
+    sched.abort_all()
+    assert all(s.finish_reason == "abort" for g in groups for s in g.seqs)
+    assert all(g.status is GroupStatus.FINISHED for g in groups)
+    assert sched.manager.num_used_blocks == 0 and not sched.has_unfinished

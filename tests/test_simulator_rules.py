@@ -1,0 +1,67 @@
+"""The simulator's sweep, knee and rate helpers against their definitions (mutation testing
+found them unchecked: tests/MUTATION.md)."""
+
+import math
+import re
+
+import pytest
+
+from pagedlab.sim import synthetic_requests
+from pagedlab.sim.cost_model import CostModel
+from pagedlab.sim.simulator import Point, knee_rate, knee_rates, simulate_system, sweep, with_rate
+
+COST = CostModel("OPT-13B", "A100-40GB")
+
+
+def by_hand(system, dataset, rate, num_requests, seed=0):
+    res = simulate_system(system, synthetic_requests(dataset, num_requests, rate=rate, seed=seed),
+                          COST)
+    return res.normalized_latency, res.throughput
+
+
+def test_a_sweep_is_one_run_per_system_and_rate_with_its_documented_defaults(capsys):
+    points = sweep(["paged"], "alpaca", [0.1, 1.0], COST)
+    # duration 600 s, at least 100 requests, seed 0: 100 requests at 0.1/s, 600 at 1/s
+    expected = {("paged", r): by_hand("paged", "alpaca", r, n) for r, n in ((0.1, 100), (1.0, 600))}
+    assert {(p.system, p.rate): (p.normalized_latency, p.throughput) for p in points} == expected
+    assert capsys.readouterr().err == ""  # no progress bar unless asked
+
+
+def test_a_sweep_scales_its_trace_with_duration_and_min_requests():
+    points = sweep(["paged", "orca-max"], "alpaca", [2.0], COST, duration=30.0, min_requests=10,
+                   seed=3)
+    assert [(p.normalized_latency, p.throughput) for p in points] == [
+        by_hand(s, "alpaca", 2.0, 60, 3) for s in ("paged", "orca-max")]
+    with pytest.raises(ValueError, match="duration=0"):
+        sweep(["paged"], "alpaca", [1.0], COST, duration=0)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_sweep_shows_its_progress_when_asked(capsys, workers):
+    args = (["paged"], "alpaca", [0.5, 1.0], COST)
+    points = sweep(*args, duration=20.0, min_requests=5, progress=True, workers=workers)
+    err = capsys.readouterr().err
+    assert re.search(r"(^|\r)simulated runs: .*2/2", err), err
+    assert re.search(r"\b(run/s|s/run)\]", err), err
+    assert points == sweep(*args, duration=20.0, min_requests=5)  # in processes or not
+
+
+def test_the_knee_is_where_latency_first_passes_the_threshold():
+    assert knee_rate([1, 3], [0.2, 2.2]) == pytest.approx(1.8)  # linear between the rates
+    assert knee_rate([1, 2], [0.5, 1.0]) == math.inf  # reaching it is not passing it
+    assert knee_rate([1, 2, 4], [0.5, 1.0, 3.0]) == pytest.approx(2.0)
+
+
+def test_knee_rates_are_one_knee_per_system_in_rate_order():
+    def point(system, rate, latency):
+        return Point(system, rate, {}, latency, 0.0, 0.0, 0)
+
+    points = [point("b", 3, 2.2), point("a", 2, 0.5), point("b", 1, 0.2), point("a", 1, 0.1)]
+    assert knee_rates(points) == {"b": pytest.approx(1.8), "a": math.inf}
+    # b: 1 + (0.3 - 0.2) * (3 - 1) / (2.2 - 0.2); a: 1 + (0.3 - 0.1) * (2 - 1) / (0.5 - 0.1)
+    assert knee_rates(points, threshold=0.3) == {"b": pytest.approx(1.1), "a": pytest.approx(1.5)}
+
+
+def test_with_rate_names_a_bad_scale():
+    with pytest.raises(ValueError, match="scale=0"):
+        with_rate([], 0)
