@@ -248,5 +248,5 @@ def test_engine_serves_by_priority_with_the_same_outputs():
     assert outputs["fcfs"] == outputs["priority"]  # the order of service changes no token
     with pytest.raises(ValueError, match="known policies: fcfs, priority"):
         LLM(model, num_gpu_blocks=8, scheduling_policy="sjf")
-    with pytest.raises(ValueError, match="2 priority for 4 prompts"):
+    with pytest.raises(ValueError, match="2 priorities for 4 prompts"):
         llm.generate(prompts, params, use_tqdm=False, priority=[0, 1])

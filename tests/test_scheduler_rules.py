@@ -200,13 +200,19 @@ def test_nothing_is_admitted_in_a_step_that_preempted():
     assert step.stats.preempted == (("b", "recompute"),) and step.stats.prefill_seqs == 0
 
 
-def test_a_group_alone_that_cannot_grow_is_reported_and_abortable():
+def test_a_group_alone_that_cannot_grow_fails_alone_and_frees_its_blocks():
     sched = make(num_blocks=2, watermark=0.0)
     add(sched, "a", 8, max_tokens=4)
-    run_step(sched)
-    with pytest.raises(CacheTooSmall, match=r"request 'a' needs 3 blocks of 4 tokens to go on, "
-                                              r"more than the cache's 2 \(watermark 0\)"):
-        sched.schedule()
+    add(sched, "b", 3, max_tokens=1)
+    run_step(sched)  # "a" fills both blocks: "b" waits
+    step = sched.schedule()  # "a" cannot grow even alone: it fails, and "b" is admitted
+    (failed,) = step.failed
+    assert failed.request_id == "a" and failed.is_finished
+    assert isinstance(failed.error, CacheTooSmall)
+    assert str(failed.error).startswith("request 'a' needs 3 blocks of 4 tokens to go on, "
+                                        "more than the cache's 2 (watermark 0)")
+    assert failed.seqs[0].finish_reason == "error" and len(failed.seqs[0].output_token_ids) == 1
+    assert [seq.seq_id for seq, _ in step.prefills] == [sched.unfinished["b"].seqs[0].seq_id]
     sched.abort_all()
     assert not sched.has_unfinished and sched.manager.num_used_blocks == 0
 
