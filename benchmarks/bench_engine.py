@@ -70,16 +70,15 @@ def bench(name: str, n: int, scale: float, batch: int | None, repeats: int) -> d
         "continuous": lambda w: run_continuous_batching(hf, w),
     }
     warm = workload(min(n, 4), hf.config.vocab_size, scale=scale / 4, seed=1, skip_ids=special)
-    runs: dict[str, Run] = {}
-    for key, serve in engines.items():
+    for serve in engines.values():
         serve(warm)  # compilations and allocator warm-up are not timed
-        best = None
-        for _ in range(repeats):
+    runs: dict[str, Run] = {}
+    for _ in range(repeats):  # interleaved, so a change in the machine's load hits all alike
+        for key, serve in engines.items():
             run = serve(work)
-            if best is None or not run.seconds > best.seconds:
-                best = run
-        runs[key] = best
-        print(f"  {best.engine}: {best.tokens_per_second:,.1f} tokens/s {best.note}", flush=True)
+            if key not in runs or run.seconds < runs[key].seconds:
+                runs[key] = run
+            print(f"  {run.engine}: {run.tokens_per_second:,.1f} tokens/s {run.note}", flush=True)
     base = runs["generate"].tokens_per_second
     return {
         "model": what,
@@ -123,9 +122,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=None,
                         help="generate's batch size (default: every request in one batch)")
     parser.add_argument("--models", default="smollm2,llama3-8b-shape" if HAS_CUDA else "smollm2")
-    parser.add_argument("--repeats", type=int, default=1 if HAS_CUDA else 1)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     print(describe(), flush=True)
     results = []
     for name in args.models.split(","):

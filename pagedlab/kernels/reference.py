@@ -67,8 +67,9 @@ def paged_attention(
     keys = key_cache[blocks].flatten(1, 2).float()  # [S, T, num_kv_heads, D], T = W * block_size
     values = value_cache[blocks].flatten(1, 2).float()
     valid = torch.arange(keys.shape[1], device=lens.device) < lens[:, None]  # [S, T]
-    invalid = ~valid[:, :, None, None]  # unused slots may hold anything, NaN too: zero them,
-    keys, values = keys.masked_fill(invalid, 0), values.masked_fill(invalid, 0)  # NaN * 0 = NaN
+    invalid = ~valid[:, :, None, None]  # unused slots may hold anything, NaN too: zero them
+    keys.masked_fill_(invalid, 0)  # (in place: the gathers made fresh tensors) since 0 * NaN
+    values.masked_fill_(invalid, 0)  # would be NaN
     out = F.scaled_dot_product_attention(
         query.float()[:, :, None, :],  # [S, num_heads, 1, D]
         keys.transpose(1, 2), values.transpose(1, 2),  # [S, num_kv_heads, T, D]
