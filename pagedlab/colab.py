@@ -55,6 +55,13 @@ def colab_url(stem: str) -> str:
     return f"https://colab.research.google.com/github/{path}/blob/{repo['branch']}/book/{stem}.ipynb"
 
 
+def page_url(stem: str) -> str:
+    """Where a page of the book with no notebook (notation, glossary) is published: the
+    repository's GitHub Pages site."""
+    owner, name = _config()["repository"]["url"].removeprefix("https://github.com/").split("/")
+    return f"https://{owner}.github.io/{name}/book/{stem}.html"
+
+
 def raw_url(path: str) -> str:
     """A file of the repository as Colab can load it (figures)."""
     repo = _config()["repository"]
@@ -159,7 +166,12 @@ class Converter:
         target = self.book.targets.get(label)
         if target is None:
             raise KeyError(f"{self.stem}: unknown reference target {label!r}")
-        url = f"#{label}" if target.stem == self.stem else colab_url(target.stem)
+        if target.stem == self.stem:
+            url = f"#{label}"
+        elif target.stem.startswith("ch"):
+            url = colab_url(target.stem)
+        else:
+            url = page_url(target.stem)
         return f"[{text or target.text}]({url})"
 
     def role(self, match: re.Match) -> str:
@@ -353,7 +365,7 @@ def main(argv=None) -> int:
     parser.add_argument("--build", type=Path, default=BUILD,
                         help="executed notebooks of a book build (default: _build/...)")
     args = parser.parse_args(argv)
-    book = Book.scan(sorted(Path(ROOT / "book").glob("ch*.md")))
+    book = Book.scan(sorted(Path(ROOT / "book").glob("*.md")))  # chapters and back matter
     status = 0
     for chapter in args.chapters:
         colab = chapter.with_suffix(".ipynb")
