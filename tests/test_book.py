@@ -3,6 +3,7 @@
 import re
 from pathlib import Path
 
+import jupytext
 import nbformat
 import pytest
 import yaml

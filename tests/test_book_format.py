@@ -70,13 +70,16 @@ def test_source_is_highlighted_in_html_and_plain_in_text():
     assert "&quot;&quot;&quot;An upper bound" in html or "An upper bound" in html
 
 
-def test_excerpt_shows_the_lines_between_its_markers(monkeypatch):
+def test_excerpt_displays_a_marked_section_highlighted(monkeypatch):
+    from pagedlab.book import Source
+    from pagedlab.kernels import decode
+
     shown = []
     monkeypatch.setattr("IPython.display.display", shown.append)
-    excerpt(bound, "if x == 0:", 'return "0"')
-    assert [repr(s) for s in shown] == ['if x == 0:\n    return "0"']
-    with pytest.raises(ValueError, match="no line of bound's source contains 'nowhere'"):
-        excerpt(bound, "nowhere", "x")
+    excerpt(decode._paged_attention_kernel, "masks")
+    (source,) = shown
+    assert isinstance(source, Source) and "# >>>" not in repr(source) and "# <<<" not in repr(source)
+    assert "<span" in source._repr_html_()  # colours inlined: the book, Jupyter and Colab show them
 
 
 def test_bound_takes_a_tensor_as_the_chapters_compute_it():
