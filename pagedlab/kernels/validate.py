@@ -132,15 +132,15 @@ def _check_distinct(name: str, dst: Tensor) -> None:
 # Public checks, one per operation
 
 
-def check_paged_attention(
-    query, key_cache, value_cache, block_tables, seq_lens, scale, *, check_values: bool = True
-) -> float:
-    """Check :func:`paged_attention`'s arguments; return the scale (default 1/sqrt(head_dim))."""
+def _check_query_and_caches(query, key_cache, value_cache) -> tuple[int, int]:
+    """query [n, num_heads, D] against caches [num_blocks, block_size, num_kv_heads, D]: dtypes,
+    device, head_dim, query heads a multiple of KV heads, unit stride in the last dimension.
+    Returns (num_blocks, block_size)."""
     _check_tensor("query", query, 3, FLOAT_DTYPES)
     _check_tensor("key_cache", key_cache, 4)
     _check_like("key_cache", key_cache, "query", query, shape=False)
     _check_like("value_cache", value_cache, "key_cache", key_cache, strides=True)
-    num_seqs, num_heads, head_dim = query.shape
+    _, num_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, cache_head_dim = key_cache.shape
     if cache_head_dim != head_dim:
         raise ValueError(
@@ -153,6 +153,15 @@ def check_paged_attention(
         )
     _check_unit_stride("query", query)
     _check_unit_stride("key_cache", key_cache)
+    return num_blocks, block_size
+
+
+def check_paged_attention(
+    query, key_cache, value_cache, block_tables, seq_lens, scale, *, check_values: bool = True
+) -> float:
+    """Check :func:`paged_attention`'s arguments; return the scale (default 1/sqrt(head_dim))."""
+    num_blocks, block_size = _check_query_and_caches(query, key_cache, value_cache)
+    num_seqs, _, head_dim = query.shape
     _check_tensor("block_tables", block_tables, 2, (torch.int32,))
     _check_tensor("seq_lens", seq_lens, 1, (torch.int32,))
     _check_contiguous("seq_lens", seq_lens)

@@ -13,12 +13,10 @@ from torch import Tensor
 
 from pagedlab._checks import check_positive
 from pagedlab.kernels.validate import (
-    FLOAT_DTYPES,
     _check_device,
-    _check_like,
+    _check_query_and_caches,
     _check_seq_lens,
     _check_tensor,
-    _check_unit_stride,
     _first,
 )
 
@@ -38,23 +36,8 @@ def check_paged_attention_varlen(
     seq_len is in [1, the table's capacity] and at least its query length; every block a
     sequence reads exists.
     """
-    _check_tensor("query", query, 3, FLOAT_DTYPES)
-    _check_tensor("key_cache", key_cache, 4)
-    _check_like("key_cache", key_cache, "query", query, shape=False)
-    _check_like("value_cache", value_cache, "key_cache", key_cache, strides=True)
-    num_tokens, num_heads, head_dim = query.shape
-    num_blocks, block_size, num_kv_heads, cache_head_dim = key_cache.shape
-    if cache_head_dim != head_dim:
-        raise ValueError(
-            f"key_cache has head_dim {cache_head_dim} but query has head_dim {head_dim}"
-        )
-    if num_kv_heads == 0 or num_heads % num_kv_heads:
-        raise ValueError(
-            f"query's num_heads={num_heads} must be a multiple of key_cache's "
-            f"num_kv_heads={num_kv_heads}"
-        )
-    _check_unit_stride("query", query)
-    _check_unit_stride("key_cache", key_cache)
+    num_blocks, block_size = _check_query_and_caches(query, key_cache, value_cache)
+    num_tokens, _, head_dim = query.shape
     _check_tensor("block_tables", block_tables, 2, (torch.int32,))
     _check_tensor("query_start_loc", query_start_loc, 1, (torch.int32,))
     _check_tensor("seq_lens", seq_lens, 1, (torch.int32,))
