@@ -161,6 +161,14 @@ def markdown(results: dict) -> str:
     return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
 
 
+def save(out: Path, results: dict, table: str) -> None:
+    """The results as JSON at ``out`` and as a markdown table beside it; print the table."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    out.with_suffix(".md").write_text(table)
+    print(table, f"\nwrote {out} and {out.with_suffix('.md')}", sep="")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, help="JSON path (a .md table is written beside it)")
@@ -207,11 +215,7 @@ def main() -> None:
         seconds=time.perf_counter() - start,
         points=points,
     )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
-    table = markdown(results)
-    out.with_suffix(".md").write_text(table)
-    print(table, f"\nwrote {out} and {out.with_suffix('.md')}", sep="")
+    save(out, results, markdown(results))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ sizes are interpreter-sized and the times measure Triton's interpreter, not the 
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import time
 from functools import partial
@@ -30,7 +29,7 @@ import pagedlab  # noqa: F401  (first: on a CPU it switches Triton to its interp
 import torch
 import torch.nn.functional as F
 import triton
-from bench_decode import DEVICE, contiguous_kv, seconds_per_call
+from bench_decode import DEVICE, contiguous_kv, save, seconds_per_call
 from torch.nn.attention.bias import causal_lower_right
 
 from pagedlab.device import HAS_CUDA, INTERPRET, describe
@@ -149,11 +148,7 @@ def main() -> None:
         interpreter=INTERPRET, config={k: str(v) for k, v in cfg.items()},
         seconds=time.perf_counter() - start, decode=decode, chunks=chunks,
     )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
-    table = markdown(results)
-    out.with_suffix(".md").write_text(table)
-    print(table, f"\nwrote {out} and {out.with_suffix('.md')}", sep="")
+    save(out, results, markdown(results))
 
 
 if __name__ == "__main__":
