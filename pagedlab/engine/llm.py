@@ -209,7 +209,7 @@ class LLM:
         ids, text = prompt_token_ids(prompt, request_id, self.tokenizer)
         self._check_prompt(request_id, ids, params)
         if self._auto_blocks:
-            self._reserve(request_id, ids, params)
+            self._reserve(ids, params)
         stop = set() if params.ignore_eos else set(self.model.args.eos_token_ids)
         check = None
         if isinstance(params, SamplingParams):
@@ -353,7 +353,7 @@ class LLM:
                 need += self._blocks_for(ids, params)
         self._grow_to(need + 1)  # one above the 1% watermark of small caches
 
-    def _reserve(self, request_id: str, ids: list[int], params) -> None:
+    def _reserve(self, ids: list[int], params) -> None:
         """An auto-sized cache grows, while idle, to hold a request added on its own."""
         if not self.scheduler.has_unfinished:
             self._grow_to(self._blocks_for(ids, params) + 1)
