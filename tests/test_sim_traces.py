@@ -103,6 +103,36 @@ def test_load_trace_errors_name_the_file_and_row(tmp_path, text, message):
         load_trace(write(tmp_path, text))
 
 
+def test_lengths_only_trace_draws_seeded_poisson_arrivals(tmp_path):
+    rng = np.random.default_rng(7)
+    lengths = rng.integers(1, 500, size=(4000, 2))
+    text = "num_prefill_tokens,num_decode_tokens,extra\n" + "".join(
+        f"{p},{o},x\n" for p, o in lengths)
+    path = write(tmp_path, text)
+    reqs = load_trace(path, rate=4.0, seed=3)
+    assert [(r.prompt_len, r.output_len) for r in reqs] == [tuple(x) for x in lengths.tolist()]
+    gaps = np.diff([r.arrival for r in reqs])
+    assert reqs[0].arrival == 0.0 and (gaps >= 0).all()
+    assert np.mean(gaps) == pytest.approx(1 / 4.0, rel=0.05)  # 4,000 gaps: 1.6% standard error
+    assert np.std(gaps) == pytest.approx(1 / 4.0, rel=0.1)  # exponential: std = mean
+    assert load_trace(path, rate=4.0, seed=3) == reqs
+    assert load_trace(path, rate=4.0, seed=4) != reqs
+    assert len(load_trace(path, limit=5, rate=1.0)) == 5
+    # a trace with arrivals takes drawn ones too: its lengths at another load
+    assert [r.arrival for r in load_trace(write(tmp_path, GOOD), rate=1.0)] != [0.0, 4.3, 4.3]
+
+
+def test_lengths_only_trace_without_a_rate_says_what_is_missing(tmp_path):
+    path = write(tmp_path, "num_prefill_tokens,num_decode_tokens\n3,4\n")
+    with pytest.raises(ValueError, match=r"trace\.csv, row 1: missing column\(s\) arrived_at "
+                                         r".*needs rate="):
+        load_trace(path)
+    with pytest.raises(ValueError, match=r"rate=0 must be > 0"):
+        load_trace(path, rate=0)
+    with pytest.raises(ValueError, match=r"row 3: num_decode_tokens='x'"):
+        load_trace(write(tmp_path, "num_prefill_tokens,num_decode_tokens\n3,4\n5,x\n"), rate=1)
+
+
 def test_shared_trace_path_follows_the_env_var(tmp_path, monkeypatch):
     monkeypatch.setenv("PAGEDLAB_TRACES", str(tmp_path))
     assert shared_trace_path("mine") is None

@@ -180,39 +180,58 @@ def _check_cells(row: dict, header: list[str], where: str) -> None:
         raise ValueError(f"{where}: {cells} cells where the header has {len(header)}{detail}")
 
 
-def load_trace(path, limit: int | None = None) -> list[Request]:
+def load_trace(path, limit: int | None = None, *, rate: float | None = None,
+               seed: int = 0) -> list[Request]:
     """Requests of a CSV trace with columns ``arrived_at`` (s), ``num_prefill_tokens`` and
     ``num_decode_tokens``, in file order; at most ``limit`` of them. Errors name the file and
-    row, numbered as the file's lines (row 1 is the header)."""
+    row, numbered as the file's lines (row 1 is the header).
+
+    With ``rate`` (requests/s) the arrivals are drawn instead, a Poisson process seeded by
+    ``seed``, and ``arrived_at`` is not read: the way to load a lengths-only trace (such as
+    Vidur's processed ones) or to replay a trace's lengths at another load.
+    """
     if limit is not None:
         check_positive("limit", limit, integer=True)
+    if rate is not None:
+        check_positive("rate", rate)
+    columns = TRACE_COLUMNS if rate is None else TRACE_COLUMNS[1:]
     requests: list[Request] = []
     with open(path, newline="") as f:
         reader = csv.DictReader(f)
-        missing = [c for c in TRACE_COLUMNS if c not in (reader.fieldnames or ())]
+        missing = [c for c in columns if c not in (reader.fieldnames or ())]
         if missing:
+            lengths_only = missing == ["arrived_at"]
+            hint = " (a lengths-only trace needs rate= for its arrivals)" if lengths_only else ""
             raise ValueError(f"{path}, row 1: missing column(s) {', '.join(missing)} "
-                             f"(found {reader.fieldnames})")
+                             f"(found {reader.fieldnames}){hint}")
         for row in reader:
             if limit is not None and len(requests) == limit:
                 break
             where = f"{path}, row {reader.line_num}"  # blank lines count, as in an editor
             _check_cells(row, reader.fieldnames, where)
-            text = row["arrived_at"]
-            try:
-                arrival = float(text)
-            except ValueError:
-                raise ValueError(f"{where}: arrived_at={text!r} is not a number") from None
-            if requests and arrival < requests[-1].arrival:
-                raise ValueError(f"{where}: arrived_at={arrival} is earlier than the previous "
-                                 f"row's {requests[-1].arrival}")
+            arrival = 0.0 if rate is not None else _parse_arrival(row, requests, where)
             prompt = _parse_length(row["num_prefill_tokens"], where, "num_prefill_tokens")
             output = _parse_length(row["num_decode_tokens"], where, "num_decode_tokens")
             try:
                 requests.append(Request(len(requests), arrival, prompt, output))
             except ValueError as e:
                 raise ValueError(f"{where}: {e}") from None
+    if rate is not None and requests:
+        arrivals = poisson_arrivals(len(requests), rate, np.random.default_rng(seed))
+        requests = [replace(r, arrival=float(a)) for r, a in zip(requests, arrivals)]
     return requests
+
+
+def _parse_arrival(row: dict, previous: list[Request], where: str) -> float:
+    text = row["arrived_at"]
+    try:
+        arrival = float(text)
+    except ValueError:
+        raise ValueError(f"{where}: arrived_at={text!r} is not a number") from None
+    if previous and arrival < previous[-1].arrival:
+        raise ValueError(f"{where}: arrived_at={arrival} is earlier than the previous "
+                         f"row's {previous[-1].arrival}")
+    return arrival
 
 
 def shared_trace_path(name: str) -> Path | None:
