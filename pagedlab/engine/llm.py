@@ -32,6 +32,7 @@ from pagedlab.engine.scheduler import (
     CacheTooSmall,
     Scheduler,
     SchedulerConfig,
+    Step,
     TooManySequences,
 )
 from pagedlab.engine.sequence import SequenceGroup
@@ -151,6 +152,7 @@ class LLM:
                                   kv_cache_dtype, kv_scale)
         self.sampler = Sampler()
         self.stats: EngineStats | None = None  # of the last call
+        self.last_step: Step | None = None  # the last step's batch: what a timed replay reads
         self._next_id = 0  # request ids: "0", "1", ...
         self._prompts: dict[str, str | None] = {}  # request id -> prompt text
 
@@ -262,6 +264,7 @@ class LLM:
             self.manager.rollback()
             self._prompts.clear()
             raise
+        self.last_step = step
         if self.stats is not None:
             self.stats.steps.append(step.stats)
             self.stats.generated_tokens += sum(len(out.children) for out in outputs)

@@ -151,6 +151,7 @@ class SimResult:
     preemptions: int
     arrival: np.ndarray | None = None  # [requests] seconds, in the order they were given
     finish: np.ndarray | None = None  # [requests] seconds at which each produced its last token
+    first_token: np.ndarray | None = None  # [requests] seconds of each one's first token (paging)
     output_len: np.ndarray | None = None  # [requests] tokens generated
     blocks_swapped: int = 0  # blocks moved between GPU and CPU, both ways (paging, swap mode)
     swap_seconds: float = 0.0  # of the total time, spent swapping over PCIe

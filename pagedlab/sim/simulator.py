@@ -115,7 +115,7 @@ def simulate_paged(
     params = {r.id: SamplingParams(n=config.n, max_tokens=r.output_len, ignore_eos=True)
               for r in requests}
     pending = sorted(requests, key=lambda r: (r.arrival, r.id))
-    finish: dict[int, float] = {}
+    first, finish = {}, {}  # request id -> seconds of its first and last token
     times, durations, batch, waiting, used, stored = [], [], [], [], [], []
     now, nxt, preemptions, swapped, swap_seconds = 0.0, 0, 0, 0, 0.0
     exact_usage = config.n > 1  # shared blocks: count each once, through the manager
@@ -140,6 +140,8 @@ def simulate_paged(
         used.append(manager.num_used_blocks)
         stored.append(manager.usage().tokens_stored if exact_usage else ran.kv_tokens)
         now += seconds
+        for group in step.groups:
+            first.setdefault(group.request_id, now)
         for group in scheduler.update(ran.outputs):
             finish[group.request_id] = now
 
@@ -160,6 +162,7 @@ def simulate_paged(
         preemptions=preemptions,
         arrival=np.array([r.arrival for r in requests], dtype=float),
         finish=np.array([finish[r.id] for r in requests]),
+        first_token=np.array([first[r.id] for r in requests]),
         output_len=np.array([r.output_len * config.n for r in requests]),
         blocks_swapped=swapped,
         swap_seconds=swap_seconds,

@@ -1,0 +1,131 @@
+"""A timed replay: a trace served by the real engine on the wall clock, and the simulator's
+prediction of the same run (chapter 9).
+
+:func:`replay` feeds each request of a trace to an :class:`~pagedlab.engine.LLM` when its
+arrival time comes round, adding every request that has arrived before each step and sleeping
+while the engine is idle, and records what a serving benchmark reports per request (time to
+first token, time per output token, end-to-end latency) from the engine's own metrics, and
+each step's time and shape. :func:`predict` runs the simulator on the same requests, arrivals,
+scheduler limits and cache size, with a cost model (usually one fitted by
+:mod:`pagedlab.sim.calibration`), and :func:`errors` says how far apart the two are.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from pagedlab.engine.sampling import SamplingParams
+from pagedlab.engine.scheduler import SchedulerConfig
+from pagedlab.sim.calibration import StepTiming, timed_step
+from pagedlab.sim.simulator import PagedConfig, simulate_paged
+from pagedlab.sim.traces import Request
+
+METRICS = ("ttft", "tpot", "latency")
+
+
+@dataclass(frozen=True)
+class RequestTiming:
+    """One request's arrival (seconds into the run) and what it waited, in seconds."""
+
+    id: int
+    arrival: float
+    prompt_len: int
+    output_len: int
+    ttft: float  # arrival to first output token
+    tpot: float  # mean gap between output tokens after the first (nan for one token)
+    latency: float  # arrival to last output token
+
+
+@dataclass(frozen=True)
+class Replay:
+    """A timed run: its requests, its steps, and the engine settings a simulation must share."""
+
+    requests: list[RequestTiming]
+    steps: list[StepTiming]
+    block_size: int
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+    scheduler: SchedulerConfig
+
+    def metric(self, name: str) -> np.ndarray:
+        """[requests] one of :data:`METRICS`, in request order."""
+        return np.array([getattr(r, name) for r in self.requests])
+
+
+def replay(llm, requests: list[Request], *, seed: int = 0,
+           clock: Callable[[], float] = time.monotonic,
+           sleep: Callable[[float], None] = time.sleep) -> Replay:
+    """Serve ``requests`` on ``llm`` at their arrival times (seconds after the call).
+
+    Each prompt is ``prompt_len`` token ids drawn from the model's vocabulary (seeded), and
+    each request generates exactly ``output_len`` tokens (greedy, EOS ignored). ``clock``
+    must be the clock the engine stamps its metrics with (``time.monotonic``); a test may
+    replace both, and ``sleep`` with them. Give ``llm`` a fixed ``num_gpu_blocks``: a
+    CPU engine's default cache grows with what each idle moment's request needs.
+    """
+    pending = sorted(requests, key=lambda r: (r.arrival, r.id))
+    rng = np.random.default_rng(seed)
+    vocab = llm.model.args.vocab_size
+    prompts = {r.id: rng.integers(0, vocab, r.prompt_len).tolist() for r in pending}
+    groups, steps, nxt = {}, [], 0
+    origin = clock()
+    while nxt < len(pending) or llm.has_unfinished_requests():
+        now = clock() - origin
+        if not llm.has_unfinished_requests() and pending[nxt].arrival > now:
+            sleep(pending[nxt].arrival - now)
+            continue
+        while nxt < len(pending) and pending[nxt].arrival <= now:
+            r = pending[nxt]
+            params = SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)
+            groups[r.id] = llm.add_request(str(r.id), prompts[r.id], params,
+                                           arrival_time=origin + r.arrival)
+            nxt += 1
+        steps.append(timed_step(llm, origin, clock))
+    timings = []
+    for r in requests:
+        m = groups[r.id].metrics
+        tpot = m.time_per_output_token(r.output_len)
+        timings.append(RequestTiming(r.id, r.arrival, r.prompt_len, r.output_len,
+                                     m.time_to_first_token, math.nan if tpot is None else tpot,
+                                     m.finished_time - m.arrival_time))
+    return Replay(timings, steps, llm.block_size, llm.manager.num_gpu_blocks,
+                  llm.manager.cpu.num_blocks, llm.config)
+
+
+def predict(measured: Replay, cost) -> Replay:
+    """The simulator's prediction of ``measured``: the same requests and arrivals, scheduler
+    limits and cache, each step priced by ``cost``. Its steps are not recorded."""
+    requests = [Request(r.id, r.arrival, r.prompt_len, r.output_len) for r in measured.requests]
+    block_bytes = measured.block_size * cost.kv_bytes_per_token
+    config = PagedConfig(block_size=measured.block_size, num_gpu_blocks=measured.num_gpu_blocks,
+                         swap_space_gib=measured.num_cpu_blocks * block_bytes / 2**30,
+                         scheduler=measured.scheduler)
+    sim = simulate_paged(requests, cost, config)
+    timings = []
+    for r, first, finish in zip(requests, sim.first_token, sim.finish):
+        tpot = (finish - first) / (r.output_len - 1) if r.output_len > 1 else math.nan
+        timings.append(RequestTiming(r.id, r.arrival, r.prompt_len, r.output_len,
+                                     first - r.arrival, tpot, finish - r.arrival))
+    return Replay(timings, [], measured.block_size, measured.num_gpu_blocks,
+                  measured.num_cpu_blocks, measured.scheduler)
+
+
+def percentiles(run: Replay, name: str) -> dict[str, float]:
+    """Median and 90th percentile of one of :data:`METRICS` (one-token requests have no TPOT)."""
+    values = run.metric(name)
+    values = values[~np.isnan(values)]
+    return {"median": float(np.median(values)), "p90": float(np.percentile(values, 90))}
+
+
+def errors(measured: Replay, predicted: Replay) -> dict[str, dict[str, float]]:
+    """Relative error (predicted / measured - 1) of each metric's median and p90."""
+    out = {}
+    for name in METRICS:
+        m, p = percentiles(measured, name), percentiles(predicted, name)
+        out[name] = {stat: p[stat] / m[stat] - 1 for stat in m}
+    return out

@@ -1,0 +1,170 @@
+"""Timed replay, calibration and validation: metrics worked out by hand on a tiny trace under an
+injected clock, the fit against known constants, the simulator against an exact replay."""
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from _tiny import tiny_hf
+from pagedlab import LLM
+from pagedlab.model import from_hf
+from pagedlab.sim.calibration import (
+    FittedCostModel,
+    StepShape,
+    StepTiming,
+    features,
+    fit_cost_model,
+    profile,
+)
+from pagedlab.sim.replay import errors, percentiles, predict, replay
+from pagedlab.sim.traces import Request
+
+STEP = 1.0  # fake seconds per step
+PER_PREFILL_TOKEN = 0.25
+
+
+class FakeClock:
+    """A clock that moves only when the replay sleeps or the model runs a step."""
+
+    def __init__(self):
+        self.now = 100.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        assert seconds > 0
+        self.now += seconds
+
+
+@pytest.fixture
+def timed_llm(monkeypatch):
+    """A tiny model's engine whose steps take STEP + PER_PREFILL_TOKEN * prefilled tokens on a
+    fake clock, which the scheduler's metrics read too."""
+    clock = FakeClock()
+    monkeypatch.setattr("pagedlab.engine.scheduler.time", SimpleNamespace(monotonic=clock.monotonic))
+    llm = LLM(from_hf(tiny_hf("llama-mha-d32")), block_size=4, num_gpu_blocks=16)
+    execute = llm.runner.execute
+
+    def slow_execute(step, manager):
+        clock.now += STEP + PER_PREFILL_TOKEN * sum(len(s) - c for s, c in step.prefills)
+        return execute(step, manager)
+
+    monkeypatch.setattr(llm.runner, "execute", slow_execute)
+    return llm, clock
+
+
+# Request 0 at 0 s: 4 prompt tokens, 3 outputs; request 1 at 0.5 s: 2 and 2; request 2 at
+# 10 s, after the engine has gone idle: 3 and 1. By hand, with steps of 1 s + 0.25 s per
+# prefilled token:
+#   step 1 [0, 2):      prefill r0 (4 tokens)                -> r0's first token at 2
+#   step 2 [2, 3.5):    decode r0 (context 5), prefill r1    -> r1's first token at 3.5
+#   step 3 [3.5, 4.5):  decode r0 (context 6), r1 (context 3) -> both finish at 4.5
+#   idle until 10; step 4 [10, 11.75): prefill r2 (3 tokens) -> r2 first and last at 11.75
+TRACE = [Request(0, 0.0, 4, 3), Request(1, 0.5, 2, 2), Request(2, 10.0, 3, 1)]
+EXPECTED = {  # id: (ttft, tpot, latency)
+    0: (2.0, (4.5 - 2.0) / 2, 4.5),
+    1: (3.5 - 0.5, 4.5 - 3.5, 4.5 - 0.5),
+    2: (1.75, math.nan, 1.75),
+}
+
+
+def test_replay_metrics_match_the_hand_computed_run(timed_llm):
+    llm, clock = timed_llm
+    run = replay(llm, TRACE, clock=clock.monotonic, sleep=clock.sleep)
+    for r in run.requests:
+        assert (r.ttft, r.tpot, r.latency) == pytest.approx(EXPECTED[r.id], nan_ok=True)
+    assert [(s.start, s.duration) for s in run.steps] == [(0, 2), (2, 1.5), (3.5, 1), (10, 1.75)]
+    assert [s.batch for s in run.steps] == [1, 2, 2, 1]
+    assert [s.feature("prefill_tokens") for s in run.steps] == [4, 2, 0, 3]
+    assert [s.feature("decode_seqs") for s in run.steps] == [0, 1, 2, 0]
+    assert [s.feature("kv_tokens_read") for s in run.steps] == [0, 5, 6 + 3, 0]
+    assert (run.num_gpu_blocks, run.block_size) == (16, 4)
+    assert not llm.has_unfinished_requests()
+
+
+def test_simulator_predicts_an_exactly_priced_replay_exactly(timed_llm):
+    llm, clock = timed_llm
+    measured = replay(llm, TRACE, clock=clock.monotonic, sleep=clock.sleep)
+    exact = FittedCostModel(STEP, {"prefill_tokens": PER_PREFILL_TOKEN}, kv_bytes_per_token=1,
+                            swap_bandwidth=1.0)
+    predicted = predict(measured, exact)
+    for m, p in zip(measured.requests, predicted.requests):
+        assert (p.ttft, p.tpot, p.latency) == pytest.approx((m.ttft, m.tpot, m.latency),
+                                                            nan_ok=True)
+    assert all(e == pytest.approx(0) for metric in errors(measured, predicted).values()
+               for e in metric.values())
+    slower = FittedCostModel(2 * STEP, {"prefill_tokens": 2 * PER_PREFILL_TOKEN}, 1, 1.0)
+    # twice the step times: r0 and r2 (alone on an idle engine) finish in twice the time; r1
+    # arrives 0.5 s into the first step, which now ends at 4, and its own steps end at 9
+    latencies = predict(measured, slower).metric("latency")
+    assert latencies == pytest.approx([9.0, 9.0 - 0.5, 3.5])
+    assert percentiles(predict(measured, slower), "latency") == pytest.approx(
+        {"median": 8.5, "p90": 8.5 + 0.8 * (9.0 - 8.5)})
+
+
+def synthetic_steps(rng, n=200):
+    """Steps of random shapes: some prefill-only, some decode-only, some mixed."""
+    steps = []
+    for i in range(n):
+        decodes = tuple(rng.integers(2, 300, rng.integers(0, 24) if i % 3 else 0).tolist())
+        prefills = tuple(rng.integers(1, 200, rng.integers(0 if decodes else 1, 4)).tolist())
+        starts = tuple(rng.integers(0, 64, len(prefills)).tolist())
+        steps.append(StepShape(prefills, starts, decodes))
+    return steps
+
+
+@pytest.mark.parametrize("relative", [True, False])
+def test_fit_recovers_known_constants(relative):
+    rng = np.random.default_rng(0)
+    truth = {"decode_seqs": 2e-3, "prefill_tokens": 1.5e-3, "kv_tokens_read": 4e-6,
+             "attention_pairs": 3e-8}
+    shapes = synthetic_steps(rng)
+    exact = [0.03 + sum(c * features(s.prefill_lens, s.decode_lens, s.prefill_starts)[n]
+                        for n, c in truth.items()) for s in shapes]
+    fit = fit_cost_model([StepTiming(0, t, s) for t, s in zip(exact, shapes)], tuple(truth),
+                         kv_bytes_per_token=1, swap_bandwidth=1.0, relative=relative)
+    assert fit.constant == pytest.approx(0.03, rel=1e-6)
+    assert fit.coefficients == pytest.approx(truth, rel=1e-6)
+    assert np.abs(fit.residuals).max() < 1e-9
+    # with 5% noise the fit still lands near the truth, and its residuals are the noise's size
+    noisy = [t * (1 + 0.05 * rng.standard_normal()) for t in exact]
+    fit = fit_cost_model([StepTiming(0, t, s) for t, s in zip(noisy, shapes)], tuple(truth),
+                         kv_bytes_per_token=1, swap_bandwidth=1.0, relative=relative)
+    predicted = np.array([fit.step_time(s.prefill_lens, s.decode_lens, 16, s.prefill_starts)
+                          for s in shapes])
+    assert np.sqrt(np.mean((predicted / exact - 1) ** 2)) < 0.035  # nearer the truth than the data
+    assert fit.coefficients["prefill_tokens"] == pytest.approx(1.5e-3, rel=0.1)
+    assert fit.rms_relative_error == pytest.approx(0.05, rel=0.3)
+    assert fit.residuals == pytest.approx(np.array(noisy) - predicted)
+
+
+def test_fitted_model_prices_steps_and_swaps_as_a_cost_model_does():
+    fit = FittedCostModel(0.01, {"decode_seqs": 0.002, "prefill_tokens": 0.001}, 1000, 1e6)
+    assert fit.step_time() == 0.0
+    # 3 tokens after 2 cached: queries at positions 2, 3, 4 see 3 + 4 + 5 keys; then a fresh 4
+    assert features([3, 4], [5, 7], [2, 0]) == {
+        "decode_seqs": 2, "prefill_tokens": 7, "kv_tokens_read": 2 + 5 + 7,
+        "attention_pairs": (3 + 4 + 5) + (1 + 2 + 3 + 4), "prefill_seqs": 2}
+    assert fit.step_time([10, 5], [40, 50, 60]) == pytest.approx(0.01 + 0.006 + 0.015)
+    assert fit.swap_time(3, 16) == pytest.approx(3 * 16 * 1000 / 1e6)
+    with pytest.raises(ValueError, match="num_gpu_blocks"):
+        fit.kv_capacity_tokens()
+    with pytest.raises(ValueError, match="unknown feature.*'bogus'"):
+        fit_cost_model([], ("bogus",), kv_bytes_per_token=1, swap_bandwidth=1.0)
+    with pytest.raises(ValueError, match="2 steps cannot fit 4 constants"):
+        fit_cost_model([StepTiming(0, 1, StepShape((1,), (0,), ()))] * 2,
+                       kv_bytes_per_token=1, swap_bandwidth=1.0)
+
+
+def test_profile_covers_prefills_decodes_and_mixed_steps():
+    llm = LLM(from_hf(tiny_hf("llama-mha-d32")), block_size=4, num_gpu_blocks=64)
+    steps = profile(llm, batch_sizes=(1, 4), prompt_lens=(3, 9), output_len=3)
+    kinds = {(s.feature("prefill_tokens") > 0, s.feature("decode_seqs") > 0) for s in steps}
+    assert kinds == {(True, False), (True, True), (False, True)}
+    assert {s.feature("prefill_tokens") for s in steps} >= {3, 9, 2 * 3, 2 * 9}
+    assert max(s.batch for s in steps) == 4
+    assert all(s.duration > 0 for s in steps)
+    assert not llm.has_unfinished_requests()
