@@ -18,7 +18,7 @@ from pagedlab.sim.calibration import (
     fit_cost_model,
     profile,
 )
-from pagedlab.sim.replay import errors, percentiles, predict, replay
+from pagedlab.sim.replay import capacity, errors, percentiles, predict, replay
 from pagedlab.sim.traces import Request
 
 STEP = 1.0  # fake seconds per step
@@ -81,7 +81,7 @@ def test_replay_metrics_match_the_hand_computed_run(timed_llm):
     assert [s.feature("prefill_tokens") for s in run.steps] == [4, 2, 0, 3]
     assert [s.feature("decode_seqs") for s in run.steps] == [0, 1, 2, 0]
     assert [s.feature("kv_tokens_read") for s in run.steps] == [0, 5, 6 + 3, 0]
-    assert (run.num_gpu_blocks, run.block_size) == (16, 4)
+    assert (run.settings.num_gpu_blocks, run.settings.block_size) == (16, 4)
     assert not llm.has_unfinished_requests()
 
 
@@ -96,6 +96,9 @@ def test_simulator_predicts_an_exactly_priced_replay_exactly(timed_llm):
                                                             nan_ok=True)
     assert all(e == pytest.approx(0) for metric in errors(measured, predicted).values()
                for e in metric.values())
+    # flat out, all three at once: one step prefills 9 tokens (3.25 s, r2 done), then two
+    # decode steps of 1 s (r1 done, then r0): 3 requests in 5.25 s
+    assert capacity(TRACE, exact, measured.settings) == pytest.approx(3 / 5.25)
     slower = FittedCostModel(2 * STEP, {"prefill_tokens": 2 * PER_PREFILL_TOKEN}, 1, 1.0)
     # twice the step times: r0 and r2 (alone on an idle engine) finish in twice the time; r1
     # arrives 0.5 s into the first step, which now ends at 4, and its own steps end at 9

@@ -125,7 +125,13 @@ class FittedCostModel:
     @property
     def rms_relative_error(self) -> float:
         """Root mean square of residual / measured over the fitted steps."""
-        return float(np.sqrt(np.mean((self.residuals / self.measured) ** 2)))
+        return float(np.sqrt(np.mean(np.square(self.residuals / self.measured))))
+
+
+def relative_errors(cost, steps: Sequence[StepTiming]) -> np.ndarray:
+    """[steps] ``cost``'s time for each measured step over its measured time, minus one."""
+    return np.array([cost.step_time(s.shape.prefill_lens, s.shape.decode_lens, None,
+                                     s.shape.prefill_starts) / s.duration - 1 for s in steps])
 
 
 def fit_cost_model(steps: Sequence[StepTiming], names: Sequence[str] = DEFAULT_FEATURES, *,

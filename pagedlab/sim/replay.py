@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -42,15 +42,35 @@ class RequestTiming:
 
 
 @dataclass(frozen=True)
-class Replay:
-    """A timed run: its requests, its steps, and the engine settings a simulation must share."""
+class EngineSettings:
+    """What a simulation must share with the engine it predicts: block size, cache sizes and
+    the scheduler's limits."""
 
-    requests: list[RequestTiming]
-    steps: list[StepTiming]
     block_size: int
     num_gpu_blocks: int
     num_cpu_blocks: int
     scheduler: SchedulerConfig
+
+    @classmethod
+    def of(cls, llm) -> EngineSettings:
+        m = llm.manager
+        return cls(m.block_size, m.num_gpu_blocks, m.cpu.num_blocks, llm.config)
+
+    def paged_config(self, cost) -> PagedConfig:
+        """The simulator's configuration for these settings, swap space in ``cost``'s bytes."""
+        block_bytes = self.block_size * cost.kv_bytes_per_token
+        return PagedConfig(block_size=self.block_size, num_gpu_blocks=self.num_gpu_blocks,
+                           swap_space_gib=self.num_cpu_blocks * block_bytes / 2**30,
+                           scheduler=self.scheduler)
+
+
+@dataclass(frozen=True)
+class Replay:
+    """A timed run (or a predicted one): its requests, its steps, the engine's settings."""
+
+    requests: list[RequestTiming]
+    steps: list[StepTiming]
+    settings: EngineSettings
 
     def metric(self, name: str) -> np.ndarray:
         """[requests] one of :data:`METRICS`, in request order."""
@@ -93,26 +113,28 @@ def replay(llm, requests: list[Request], *, seed: int = 0,
         timings.append(RequestTiming(r.id, r.arrival, r.prompt_len, r.output_len,
                                      m.time_to_first_token, math.nan if tpot is None else tpot,
                                      m.finished_time - m.arrival_time))
-    return Replay(timings, steps, llm.block_size, llm.manager.num_gpu_blocks,
-                  llm.manager.cpu.num_blocks, llm.config)
+    return Replay(timings, steps, EngineSettings.of(llm))
 
 
 def predict(measured: Replay, cost) -> Replay:
     """The simulator's prediction of ``measured``: the same requests and arrivals, scheduler
     limits and cache, each step priced by ``cost``. Its steps are not recorded."""
     requests = [Request(r.id, r.arrival, r.prompt_len, r.output_len) for r in measured.requests]
-    block_bytes = measured.block_size * cost.kv_bytes_per_token
-    config = PagedConfig(block_size=measured.block_size, num_gpu_blocks=measured.num_gpu_blocks,
-                         swap_space_gib=measured.num_cpu_blocks * block_bytes / 2**30,
-                         scheduler=measured.scheduler)
-    sim = simulate_paged(requests, cost, config)
+    sim = simulate_paged(requests, cost, measured.settings.paged_config(cost))
     timings = []
     for r, first, finish in zip(requests, sim.first_token, sim.finish):
         tpot = (finish - first) / (r.output_len - 1) if r.output_len > 1 else math.nan
         timings.append(RequestTiming(r.id, r.arrival, r.prompt_len, r.output_len,
                                      first - r.arrival, tpot, finish - r.arrival))
-    return Replay(timings, [], measured.block_size, measured.num_gpu_blocks,
-                  measured.num_cpu_blocks, measured.scheduler)
+    return Replay(timings, [], measured.settings)
+
+
+def capacity(requests: list[Request], cost, settings: EngineSettings) -> float:
+    """Requests per second the engine serves flat out, as the simulator predicts it: all of
+    ``requests`` arriving at once, priced by ``cost``."""
+    at_once = [replace(r, arrival=0.0) for r in requests]
+    sim = simulate_paged(at_once, cost, settings.paged_config(cost))
+    return len(requests) / float(sim.finish.max())
 
 
 def percentiles(run: Replay, name: str) -> dict[str, float]:
