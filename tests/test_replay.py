@@ -44,13 +44,14 @@ def timed_llm(monkeypatch):
     """A tiny model's engine whose steps take STEP + PER_PREFILL_TOKEN * prefilled tokens on a
     fake clock, which the scheduler's metrics read too."""
     clock = FakeClock()
-    monkeypatch.setattr("pagedlab.engine.scheduler.time", SimpleNamespace(monotonic=clock.monotonic))
+    monkeypatch.setattr("pagedlab.engine.scheduler.time",
+                        SimpleNamespace(monotonic=clock.monotonic))
     llm = LLM(from_hf(tiny_hf("llama-mha-d32")), block_size=4, num_gpu_blocks=16)
     execute = llm.runner.execute
 
-    def slow_execute(step, manager):
+    def slow_execute(step, *args):
         clock.now += STEP + PER_PREFILL_TOKEN * sum(len(s) - c for s, c in step.prefills)
-        return execute(step, manager)
+        return execute(step, *args)
 
     monkeypatch.setattr(llm.runner, "execute", slow_execute)
     return llm, clock
