@@ -228,7 +228,7 @@ def check_out_of_blocks(nb):
     arrivals = {0: [("r0", _prompt(0, 8), 6), ("r1", _prompt(1, 20), 2), ("r2", _prompt(2, 1), 2)]}
     by_hand = [
         ([], [("r0", 0, 8), ("r1", 0, 8)], []),
-        ([("r0", 8, 1)], [], [("r1", "recompute")]),  # r1's other 12 tokens need 3 more blocks
+        ([("r0", 8, 1)], [], [("r1", "recompute")]),
         ([("r0", 9, 1)], [], []),  # r1 would need 4 blocks for 15 tokens; 3 are free: r2 waits too
     ]
     _side_by_side(nb, "6 blocks, budget 16", arrivals, 6, 4, budget=16, seats=4, expected_steps=by_hand)
@@ -241,7 +241,8 @@ def check_out_of_blocks(nb):
         ([("a", 5, 1), ("b", 4, 1)], [], [("c", "recompute")]),  # b needs a block: c gives way
     ]
     _side_by_side(nb, "5 blocks, budget 7", arrivals, 5, 4, budget=7, seats=4, expected_steps=by_hand)
-    # The watermark: 10 blocks, 3 kept. r0 takes 4; r1's first chunk would need 4 of the 6 free.
+    # The watermark: 10 blocks, 3 kept. After its first decode r0 holds 5; r1's first chunk
+    # (15 tokens) needs 4 blocks, and only 2 of the 5 free are above the watermark.
     arrivals = {0: [("r0", _prompt(0, 16), 2), ("r1", _prompt(1, 16), 2)]}
     by_hand = [([], [("r0", 0, 16)], []), ([("r0", 16, 1)], [], [])]
     _side_by_side(nb, "10 blocks, watermark 30%, budget 16", arrivals, 10, 4, budget=16, seats=4, watermark=0.3,
