@@ -100,7 +100,7 @@ BROKEN = {
     "A6": {
         "ties broken by the latest arrival": ("A6.1", "return len(group.prompt_token_ids), group.arrival", "return len(group.prompt_token_ids), -group.arrival"),
         "longest prompt first": ("A6.1", "return len(group.prompt_token_ids), group.arrival", "return -len(group.prompt_token_ids), group.arrival"),
-        "sweep ignores the policy": ("A6.2", "config = PagedConfig(scheduler=SchedulerConfig(policy=policy))", "config = PagedConfig()"),
+        "sweep ignores the policy": ("A6.2", "config = PagedConfig(scheduler=SchedulerConfig(policy=policy, chunked_prefill=False))", "config = PagedConfig(scheduler=SchedulerConfig(chunked_prefill=False))"),
         "audit always reports preemption": ("A6.3", "\"preempted\": result.preemptions > 0,", "\"preempted\": True,"),
         "longest fifth, not tenth": ("A6.4", "np.quantile(prompt_lens, 0.9)", "np.quantile(prompt_lens, 0.8)"),
     },
