@@ -41,20 +41,24 @@ class FakeClock:
 
 @pytest.fixture
 def timed_llm(monkeypatch):
-    """A tiny model's engine whose steps take STEP + PER_PREFILL_TOKEN * prefilled tokens on a
-    fake clock, which the scheduler's metrics read too."""
+    """A factory of tiny models' engines whose steps take STEP + PER_PREFILL_TOKEN * prefilled
+    tokens on a fake clock, which the scheduler's metrics read too."""
     clock = FakeClock()
     monkeypatch.setattr("pagedlab.engine.scheduler.time",
                         SimpleNamespace(monotonic=clock.monotonic))
-    llm = LLM(from_hf(tiny_hf("llama-mha-d32")), block_size=4, num_gpu_blocks=16)
-    execute = llm.runner.execute
 
-    def slow_execute(step, *args):
-        clock.now += STEP + PER_PREFILL_TOKEN * sum(len(s) - c for s, c in step.prefills)
-        return execute(step, *args)
+    def make(**kwargs):
+        llm = LLM(from_hf(tiny_hf("llama-mha-d32")), block_size=4, num_gpu_blocks=16, **kwargs)
+        execute = llm.runner.execute
 
-    monkeypatch.setattr(llm.runner, "execute", slow_execute)
-    return llm, clock
+        def slow_execute(step, *args):
+            clock.now += STEP + PER_PREFILL_TOKEN * sum(c.num_tokens for c in step.prefills)
+            return execute(step, *args)
+
+        monkeypatch.setattr(llm.runner, "execute", slow_execute)
+        return llm, clock
+
+    return make
 
 
 # Request 0 at 0 s: 4 prompt tokens, 3 outputs; request 1 at 0.5 s: 2 and 2; request 2 at
@@ -73,7 +77,7 @@ EXPECTED = {  # id: (ttft, tpot, latency)
 
 
 def test_replay_metrics_match_the_hand_computed_run(timed_llm):
-    llm, clock = timed_llm
+    llm, clock = timed_llm()
     run = replay(llm, TRACE, clock=clock.monotonic, sleep=clock.sleep)
     for r in run.requests:
         assert (r.ttft, r.tpot, r.latency) == pytest.approx(EXPECTED[r.id], nan_ok=True)
@@ -87,7 +91,7 @@ def test_replay_metrics_match_the_hand_computed_run(timed_llm):
 
 
 def test_simulator_predicts_an_exactly_priced_replay_exactly(timed_llm):
-    llm, clock = timed_llm
+    llm, clock = timed_llm()
     measured = replay(llm, TRACE, clock=clock.monotonic, sleep=clock.sleep)
     exact = FittedCostModel(STEP, {"prefill_tokens": PER_PREFILL_TOKEN}, kv_bytes_per_token=1,
                             swap_bandwidth=1.0)
@@ -107,6 +111,21 @@ def test_simulator_predicts_an_exactly_priced_replay_exactly(timed_llm):
     assert latencies == pytest.approx([9.0, 9.0 - 0.5, 3.5])
     assert percentiles(predict(measured, slower), "latency") == pytest.approx(
         {"median": 8.5, "p90": 8.5 + 0.8 * (9.0 - 8.5)})
+
+
+def test_a_prompt_in_chunks_is_timed_and_predicted_chunk_by_chunk(timed_llm):
+    llm, clock = timed_llm(max_num_seqs=2, max_num_batched_tokens=3)
+    # 8 prompt tokens in chunks of 3, 3 and 2 (1.75, 1.75 and 1.5 s), then one decode (1 s)
+    run = replay(llm, [Request(0, 0.0, 8, 2)], clock=clock.monotonic, sleep=clock.sleep)
+    assert [(s.shape.prefill_lens, s.shape.prefill_starts, s.shape.decode_lens)
+            for s in run.steps] == [((3,), (0,), ()), ((3,), (3,), ()), ((2,), (6,), ()),
+                                    ((), (), (9,))]
+    assert [s.feature("kv_tokens_read") for s in run.steps] == [0, 3, 6, 9]
+    (r,) = run.requests
+    assert (r.ttft, r.tpot, r.latency) == pytest.approx((5.0, 1.0, 6.0))
+    exact = FittedCostModel(STEP, {"prefill_tokens": PER_PREFILL_TOKEN}, 1, 1.0)
+    (p,) = predict(run, exact).requests
+    assert (p.ttft, p.tpot, p.latency) == pytest.approx((5.0, 1.0, 6.0))
 
 
 def synthetic_steps(rng, n=200):

@@ -37,11 +37,10 @@ class StepShape(NamedTuple):
 
 
 def step_shape(step) -> StepShape:
-    """The shape of a :class:`~pagedlab.engine.scheduler.Step` that has run, from its public
-    fields alone: each of its sequences has taken the one token the step sampled for it."""
-    starts = tuple(cached for _, cached in step.prefills)
-    lens = tuple(len(seq) - 1 - cached for seq, cached in step.prefills)
-    return StepShape(lens, starts, tuple(len(seq) - 1 for seq in step.decodes))
+    """The shape of a :class:`~pagedlab.engine.scheduler.Step`, from its chunks alone."""
+    return StepShape(tuple(c.num_tokens for c in step.prefills),
+                     tuple(c.start for c in step.prefills),
+                     tuple(c.context_len for c in step.decodes))
 
 
 def features(prefill_lens: Sequence[int], decode_lens: Sequence[int],

@@ -54,7 +54,7 @@ class EngineSettings:
     @classmethod
     def of(cls, llm) -> EngineSettings:
         m = llm.manager
-        return cls(m.block_size, m.num_gpu_blocks, m.cpu.num_blocks, llm.config)
+        return cls(m.block_size, m.num_gpu_blocks, m.cpu.num_blocks, llm.scheduler.config)
 
     def paged_config(self, cost) -> PagedConfig:
         """The simulator's configuration for these settings, swap space in ``cost``'s bytes."""
