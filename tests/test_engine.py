@@ -212,7 +212,7 @@ def drive(scheduler: Scheduler) -> list:
     while scheduler.has_unfinished:
         step = scheduler.schedule()
         scheduler.update([GroupOutput(g, [SequenceOutput(s, 1, 0.0) for s in g.live])
-                          for g in step.groups])
+                          for g in step.sampled_groups])
         history.append(step.stats)
     return history
 
@@ -253,17 +253,23 @@ def test_scheduler_runs_without_a_model():
         assert manager.num_used_blocks == 0 and manager.cpu.num_used == 0
 
 
-def test_token_budget_and_seats_bound_every_step():
+@pytest.mark.parametrize("chunked", [True, False])
+def test_token_budget_and_seats_bound_every_step(chunked):
     manager = KVCacheManager(64, 4)
-    config = SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=16)
+    config = SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=16, chunked_prefill=chunked)
     scheduler = Scheduler(manager, config)
     for i, length in enumerate([10, 10, 40, 3, 5, 4]):  # 40: more than the whole budget
         scheduler.add_request(f"r{i}", list(range(length)), SamplingParams(max_tokens=4))
     history = drive(scheduler)
     for s in history:
         assert s.prefill_seqs + s.decode_seqs <= 3
-        assert s.batched_tokens <= 16 or (s.prefill_seqs, s.decode_seqs) == (1, 0)
-    assert any(s.prefill_tokens == 40 for s in history)
+        if chunked:  # the 40-token prompt is cut to fit: every step keeps the budget
+            assert s.batched_tokens <= 16
+        else:  # a prompt bigger than the budget runs alone
+            assert s.batched_tokens <= 16 or (s.prefill_seqs, s.decode_seqs) == (1, 0)
+    assert any(s.prefill_tokens == 40 for s in history) is not chunked
+    # every prompt token once, and every output but the last of each request (never fed back)
+    assert sum(s.batched_tokens for s in history) == 10 + 10 + 40 + 3 + 5 + 4 + 6 * 3
     assert manager.num_used_blocks == 0
 
 

@@ -6,7 +6,7 @@ import torch
 from _tiny import MODELS, random_prompts, tiny_hf
 
 from pagedlab.engine.runner import ModelRunner
-from pagedlab.engine.scheduler import Step
+from pagedlab.engine.scheduler import Chunk, Step
 from pagedlab.engine.sequence import Sequence
 from pagedlab.memory import KVCacheManager
 from pagedlab.model import (
@@ -38,17 +38,18 @@ class Forward:
 
     def __call__(self, step: Step) -> torch.Tensor:
         """Logits of every token of the step, [num_tokens, vocab]."""
-        batch, _ = self.runner.prepare(step, self.manager)
+        batch, _ = self.runner.prepare(step)
         return self.model.compute_logits(self.model(batch, self.runner.kv_caches))
 
-    def prefill(self, seq_id: int, tokens: list[int]) -> tuple[Sequence, int]:
+    def prefill(self, seq_id: int, tokens: list[int]) -> Chunk:
         seq = Sequence(seq_id, tokens)
-        return seq, self.manager.allocate(seq_id, tokens)
+        cached = self.manager.allocate(seq_id, tokens)
+        return Chunk.of(self.manager, seq, cached, len(tokens) - cached)
 
-    def decode(self, seq: Sequence, token: int) -> Sequence:
+    def decode(self, seq: Sequence, token: int) -> Chunk:
         seq.output_token_ids.append(token)
         self.manager.append(seq.seq_id, [token])
-        return seq
+        return Chunk.of(self.manager, seq, len(seq) - 1, 1, is_decode=True)
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -65,7 +66,7 @@ def test_logits_match_transformers(name):
 
     # Step 2: a new prefill mixed with two decodes (paged_attention).
     ta, tb = int(logits[6].argmax()), int(logits[18].argmax())
-    sa, sb = run.decode(pa[0], ta), run.decode(pb[0], tb)
+    sa, sb = run.decode(pa.seq, ta), run.decode(pb.seq, tb)
     pc = run.prefill(2, c)
     logits = run(Step(prefills=[pc], decodes=[sa, sb]))
     torch.testing.assert_close(logits[:5], hf_logits(hf, c), **TOL)
@@ -75,7 +76,7 @@ def test_logits_match_transformers(name):
     # Step 3: a prompt sharing b's first two blocks: a prefix hit, the rest attends over them.
     d = b[:9] + c
     pd = run.prefill(3, d)
-    assert pd[1] == 8  # two full blocks of 4 served from the cache
+    assert pd.start == 8  # two full blocks of 4 served from the cache
     logits = run(Step(prefills=[pd]))
     torch.testing.assert_close(logits, hf_logits(hf, d)[8:], **TOL)
     run.manager.check_invariants()

@@ -51,13 +51,14 @@ def step(sched):
     """One step, every sequence sampling token 1; the step and the groups it finished."""
     s = sched.schedule()
     done = sched.update([GroupOutput(g, [SequenceOutput(q, 1, 0.0) for q in g.live])
-                         for g in s.groups])
+                         for g in s.sampled_groups])
     return s, done
 
 
 def admitted(s):
-    """The requests prefilled in step ``s``, in order of admission."""
-    prefilled = {seq.seq_id for seq, _ in s.prefills}
+    """The requests admitted in step ``s``, in order: their first chunk starts at 0 (no
+    prefix caching here); later chunks of a prompt continue a running request."""
+    prefilled = {c.seq.seq_id for c in s.prefills if c.start == 0}
     return [g.request_id for g in s.groups if any(q.seq_id in prefilled for q in g.seqs)]
 
 
@@ -88,10 +89,10 @@ def test_priority_admits_the_most_urgent_first_even_when_it_arrives_later():
 
 def test_shortest_prompt_first_passes_a_long_head_of_the_queue():
     requests = [("a50", 50, 4, 0), ("b10", 10, 4, 0), ("c30", 30, 4, 0)]
-    config = dict(max_num_seqs=4, max_num_batched_tokens=64)
+    config = dict(max_num_seqs=4, max_num_batched_tokens=64, chunked_prefill=False)
     fcfs = scheduler(requests, **config)
     spf = scheduler(requests, **config, policy=ShortestPromptFirst())
-    # a budget of 64: FCFS takes 50 + 10 and stops at 30; shortest first takes 10 + 30
+    # whole prompts, a budget of 64: FCFS takes 50 + 10 and stops at 30; shortest first 10 + 30
     assert admitted(fcfs.schedule()) == ["a50", "b10"]
     assert admitted(spf.schedule()) == ["b10", "c30"]
     assert [g.request_id for g in spf.waiting] == ["a50"]

@@ -31,7 +31,7 @@ def run_step(sched, token=7):
     step included)."""
     step = sched.schedule()
     outputs = []
-    for group in step.groups:
+    for group in step.sampled_groups:
         if group.is_prefilled:
             children = [SequenceOutput(s, token, 0.0) for s in group.live]
         else:
@@ -85,7 +85,8 @@ def test_requests_that_can_never_run_are_named():
 
 
 def test_admission_fills_the_token_budget_and_a_big_prefill_runs_alone():
-    sched = make(num_blocks=16, max_num_seqs=4, max_num_batched_tokens=8, watermark=0.0)
+    sched = make(num_blocks=16, max_num_seqs=4, max_num_batched_tokens=8, watermark=0.0,
+                 chunked_prefill=False)
     for rid, n in (("a", 3), ("b", 5), ("c", 1), ("big", 12), ("d", 2)):
         add(sched, rid, n)
     steps = []
@@ -99,6 +100,43 @@ def test_admission_fills_the_token_budget_and_a_big_prefill_runs_alone():
     alone = steps.index((["big"], 12))
     assert all("big" not in groups for groups, _ in steps[:alone])
     assert steps[alone + 1] == (["big", "d"], 3)
+
+
+def test_chunked_prefill_fills_every_step_to_the_budget_decodes_first():
+    sched = make(num_blocks=16, max_num_seqs=4, max_num_batched_tokens=8, watermark=0.0)
+    for rid, n in (("a", 3), ("b", 5), ("c", 1), ("big", 12), ("d", 2)):
+        add(sched, rid, n)
+    steps = []
+    while sched.has_unfinished:
+        step, _ = run_step(sched)
+        steps.append([(c.seq.seq_id, c.start, c.num_tokens) for c in step.chunks])
+        assert step.stats.batched_tokens <= 8
+    # by hand (seq ids a=0, b=1, c=2, big=3, d=4; prefill chunks first, then decodes):
+    # step 1: a and b whole (3 + 5). Step 2: a and b decode (2), c whole (1), big's first
+    # 5 tokens. Step 3: three decodes; big goes on with the 5 tokens the budget has left.
+    # Step 4: three decodes and big's last 2 tokens (it samples); d, whom the budget would
+    # take, waits for a seat (max_num_seqs=4) until a and b finish (4 tokens each) in step 4.
+    assert steps[:5] == [
+        [(0, 0, 3), (1, 0, 5)],
+        [(2, 0, 1), (3, 0, 5), (0, 3, 1), (1, 5, 1)],
+        [(3, 5, 5), (0, 4, 1), (1, 6, 1), (2, 1, 1)],
+        [(3, 10, 2), (0, 5, 1), (1, 7, 1), (2, 2, 1)],
+        [(4, 0, 2), (2, 3, 1), (3, 12, 1)],
+    ]
+    assert sched.manager.num_used_blocks == 0
+
+
+def test_a_partial_prefill_takes_blocks_chunk_by_chunk_and_samples_only_at_its_end():
+    sched = make(num_blocks=16, max_num_batched_tokens=4, max_num_seqs=4, watermark=0.0)
+    add(sched, "a", 10, max_tokens=2)
+    blocks, sampled = [], []
+    while sched.has_unfinished:
+        step, _ = run_step(sched)
+        blocks.append(sched.manager.num_used_blocks)
+        sampled.append([g.request_id for g in step.sampled_groups])
+    # 10 tokens in chunks of 4, 4, 2 (blocks of 4: 1, 2, 3 blocks), then one decode
+    assert blocks == [1, 2, 3, 0]
+    assert sampled == [[], [], ["a"], ["a"]]
 
 
 def test_admission_stops_at_the_seats():
@@ -212,7 +250,7 @@ def test_a_group_alone_that_cannot_grow_fails_alone_and_frees_its_blocks():
     assert str(failed.error).startswith("request 'a' needs 3 blocks of 4 tokens to go on, "
                                         "more than the cache's 2 (watermark 0)")
     assert failed.seqs[0].finish_reason == "error" and len(failed.seqs[0].output_token_ids) == 1
-    assert [seq.seq_id for seq, _ in step.prefills] == [sched.unfinished["b"].seqs[0].seq_id]
+    assert [c.seq.seq_id for c in step.prefills] == [sched.unfinished["b"].seqs[0].seq_id]
     sched.abort_all()
     assert not sched.has_unfinished and sched.manager.num_used_blocks == 0
 

@@ -57,6 +57,10 @@ class LLM:
     is loaded with it, if it has one); ``tokenizer`` (an object or a directory) enables text
     prompts, ``text`` outputs, stop strings and :meth:`chat`. ``max_model_len`` caps prompt and
     output tokens together (default: the model's ``max_position_embeddings``).
+    ``enable_chunked_prefill`` (vLLM's name; on by default, as in V1) splits prompts into
+    chunks of the step's token budget ``max_num_batched_tokens`` (see
+    :class:`~pagedlab.engine.scheduler.SchedulerConfig` for the defaults); off, prompts are
+    prefilled whole, as the paper's vLLM did.
 
     ``num_gpu_blocks`` defaults, on CUDA, to what ``gpu_memory_utilization`` leaves; on a CPU,
     to what each call's requests need at their longest (grown between calls, within
@@ -84,6 +88,7 @@ class LLM:
         enable_prefix_caching: bool = False,
         max_num_seqs: int = 256,
         max_num_batched_tokens: int | None = None,
+        enable_chunked_prefill: bool = True,
         max_model_len: int | None = None,
         kernels: str | None = None,
         kv_cache_dtype: str = "auto",
@@ -137,8 +142,10 @@ class LLM:
             raise ValueError("preemption_mode='swap' needs swap_space (GiB) or num_cpu_blocks > 0")
         self.config = SchedulerConfig(
             max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens or max(2048, max_num_seqs),
+            max_num_batched_tokens=max_num_batched_tokens,
             preemption_mode=preemption_mode,
+            chunked_prefill=enable_chunked_prefill,
+            max_model_len=self.max_model_len,
             policy=lookup_preset("scheduling_policy", scheduling_policy, POLICIES, Policy,
                                  "policies"),
         )
@@ -253,9 +260,9 @@ class LLM:
             step = self.scheduler.schedule()
             outputs = []
             if not step.is_empty:
-                logits = self.runner.execute(step, self.manager)  # [num_seqs, vocab]
+                logits = self.runner.execute(step)  # [num_sampled, vocab]
                 rows = {seq.seq_id: i for i, seq in enumerate(step.seqs)}
-                outputs = self.sampler(step.groups, rows, logits)
+                outputs = self.sampler(step.sampled_groups, rows, logits)
             self.scheduler.update(outputs)
         except BaseException:
             self.scheduler.abort_all()

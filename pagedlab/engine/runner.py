@@ -1,7 +1,7 @@
 """The model runner: owns the KV cache tensors and runs a scheduled step on the model.
 
 The scheduler hands it a :class:`~pagedlab.engine.scheduler.Step`; the runner makes the
-step's block copies (swaps, then copy-on-write), turns the step into a
+step's block copies (swaps, then copy-on-write), turns the step's chunks into a
 :class:`~pagedlab.model.ForwardBatch` (token ids, positions, slots, block tables) and runs the
 model. The simulator of chapter 9 replaces exactly this class with a cost model.
 
@@ -17,7 +17,6 @@ from torch import Tensor
 
 from pagedlab.engine.scheduler import Step
 from pagedlab.kernels.fp8_reference import FP8
-from pagedlab.memory import KVCacheManager
 from pagedlab.model import ForwardBatch, PagedLlama, Prefill
 
 CPU_KV_BYTES = 1 << 30  # KV space on a CPU-only machine: 1 GiB, scaled by gpu_memory_utilization
@@ -112,10 +111,11 @@ class ModelRunner:
                 new[: old.shape[0]] = old
         self.kv_caches = bigger
 
-    def execute(self, step: Step, manager: KVCacheManager) -> Tensor:
-        """Run ``step``; return fp32 logits [num_seqs, vocab] in the order of ``step.seqs``."""
+    def execute(self, step: Step) -> Tensor:
+        """Run ``step``; return fp32 logits [num_sampled, vocab] in the order of ``step.seqs``
+        (a chunk that does not reach its sequence's end samples nothing)."""
         self._move_blocks(step)
-        batch, last = self.prepare(step, manager)
+        batch, last = self.prepare(step)
         hidden = self.model(batch, self.kv_caches, self.kv_scale)  # [num_tokens, hidden]
         return self.model.compute_logits(hidden[last])
 
@@ -138,8 +138,9 @@ class ModelRunner:
             ops.copy_blocks([_movable(k) for k in keys], [_movable(v) for v in values], mapping,
                             check_values=False)
 
-    def prepare(self, step: Step, manager: KVCacheManager) -> tuple[ForwardBatch, Tensor]:
-        """The step as tensors, and the row of each sequence's last token (its logits)."""
+    def prepare(self, step: Step) -> tuple[ForwardBatch, Tensor]:
+        """The step as tensors, and the row of each sampling chunk's last token (its logits).
+        Everything comes from the step's chunks: the runner never asks the manager."""
         def tensor(values, dtype):
             return torch.tensor(values, dtype=dtype, device=self.model.device)
 
@@ -148,36 +149,27 @@ class ModelRunner:
             return tensor([t + [0] * (width - len(t)) for t in tables], torch.int32).view(
                 len(tables), width)
 
-        ids, positions, slots, starts = [], [], [], []
-        prefill_tables = [manager.block_table(seq.seq_id) for seq, _ in step.prefills]
-        for seq, cached in step.prefills:
-            n = len(seq)
+        ids, positions, slots, starts, last = [], [], [], [], []
+        for chunk in step.chunks:  # prefill chunks, then decodes
             starts.append(len(ids))
-            ids += seq.token_ids[cached:]
-            positions += range(cached, n)
-            slots += manager.slot_mapping(seq.seq_id, cached, n)
-        starts.append(len(ids))
-        prefill_tables = padded(prefill_tables)
-        prefills = [Prefill(starts[i], starts[i + 1], cached, prefill_tables[i])
-                    for i, (_, cached) in enumerate(step.prefills)]
-        tables, lens = [], []
-        for seq in step.decodes:
-            n = len(seq)
-            ids.append(seq.token_ids[-1])
-            positions.append(n - 1)
-            slots += manager.slot_mapping(seq.seq_id, n - 1, n)
-            tables.append(manager.block_table(seq.seq_id))
-            lens.append(n)
-        last = [p.end - 1 for p in prefills] + list(range(len(ids) - len(lens), len(ids)))
+            ids += chunk.token_ids
+            positions += range(chunk.start, chunk.context_len)
+            slots += chunk.slots
+            if chunk.samples:
+                last.append(len(ids) - 1)
+        prefill_tables = padded([c.block_table for c in step.prefills])
+        starts = starts[: len(step.prefills)] + [len(ids) - len(step.decodes)]
+        prefills = [Prefill(starts[i], starts[i + 1], c.start, prefill_tables[i])
+                    for i, c in enumerate(step.prefills)]
         batch = ForwardBatch(
             input_ids=tensor(ids, torch.int64),  # [num_tokens]
             positions=tensor(positions, torch.int64),  # [num_tokens]
             slot_mapping=tensor(slots, torch.int64),  # [num_tokens]
             prefills=prefills,
-            block_tables=padded(tables),  # [num_decodes, longest]
-            seq_lens=tensor(lens, torch.int32),  # [num_decodes]
+            block_tables=padded([c.block_table for c in step.decodes]),  # [num_decodes, longest]
+            seq_lens=tensor([c.context_len for c in step.decodes], torch.int32),  # [num_decodes]
             prefill_start_loc=tensor(starts, torch.int32),  # [num_prefills + 1]
-            prefill_lens=tensor([len(seq) for seq, _ in step.prefills], torch.int32),
+            prefill_lens=tensor([c.context_len for c in step.prefills], torch.int32),
             prefill_tables=prefill_tables,  # [num_prefills, longest]
         )
         return batch, tensor(last, torch.int64)

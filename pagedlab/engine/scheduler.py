@@ -3,29 +3,37 @@
 The scheduler decides; it never touches a tensor. Each :meth:`Scheduler.schedule` forms one
 step's batch and updates the :class:`~pagedlab.memory.KVCacheManager` to match; whoever runs
 the step (the model runner, or the simulator's cost model) then reports the sampled tokens to
-:meth:`Scheduler.update`. The rules are the paper's (Kwon et al. 2023, section 4.5), vLLM's;
-the order of service is a :class:`~pagedlab.engine.policy.Policy`'s (``SchedulerConfig.policy``),
+:meth:`Scheduler.update`. The rules are the paper's (Kwon et al. 2023, section 4.5) with vLLM
+V1's chunked prefill (rule 2; vllm/v1/core/sched/scheduler.py at v0.11.0); the order of service is a :class:`~pagedlab.engine.policy.Policy`'s (``SchedulerConfig.policy``),
 first come first served (:class:`~pagedlab.engine.policy.FCFS`) unless another is given:
 
 1. Running groups decode one token per sequence, in the policy's order. When the blocks run
    out, the last running group in that order (under FCFS the latest arrival) is preempted,
    all of its sequences at once: by *recomputation* (its blocks are freed; it goes back to the
    head of the waiting queue to prefill its prompt and generated tokens again) or by
-   *swapping* (its blocks move to the CPU pool).
-2. In a step that preempted nothing, swapped groups come back in the policy's order while
+   *swapping* (its blocks move to the CPU pool; a group still prefilling is recomputed).
+2. With chunked prefill (the default, as vLLM V1), every step has one token budget,
+   ``max_num_batched_tokens``: decodes take their token each first; running groups whose
+   prompt is partly prefilled then take their next chunk, as big as the budget and the free
+   blocks allow; new requests are admitted with a first chunk cut to what is left. A chunk
+   that ends its sequence's tokens samples the next one; the others only fill the cache.
+   Blocks are allocated chunk by chunk, and prefix-cache hits are not computed at all.
+   Without chunking (``chunked_prefill=False``: the paper's, vLLM V0's rule) a prompt is
+   prefilled whole; one bigger than what is left of the budget waits, and one bigger than
+   the whole budget runs in a step of its own.
+3. In a step that preempted nothing, swapped groups come back in the policy's order while
    the GPU has room for their blocks and their next decode, above the watermark.
-3. While any group is swapped out, or in a step that preempted, nothing is admitted.
+4. While any group is swapped out, or in a step that preempted, nothing is admitted.
    Otherwise waiting groups (under FCFS preempted ones first: they arrived earlier) are
    admitted in the policy's order, the first that does not fit stopping the queue, while
-   their prefill fits the token budget ``max_num_batched_tokens``, their seats fit
-   ``max_num_seqs``, and the GPU keeps a watermark of free blocks. A prefill bigger than the
-   whole budget runs in a step of its own, so it is not stuck behind the budget (a policy
-   that keeps ranking it last can still starve it; FCFS cannot).
-4. A group preempted by recomputation after it forked (parallel samples, beams) computes its
-   shared prompt once when it comes back: one sequence prefills the prompt's full blocks, the
-   others fork them and prefill only their own tokens (vLLM V0 refused to recompute such
-   groups and required swapping).
-5. A request that can never run, because the whole cache is too small for it, fails alone:
+   the budget lasts, their seats fit ``max_num_seqs``, and the GPU keeps a watermark of
+   free blocks (a policy that keeps ranking a request last can starve it; FCFS cannot).
+5. A group preempted by recomputation after it forked (parallel samples, beams) computes its
+   shared prompt once when it comes back, in one unchunked step: one sequence prefills the
+   prompt's full blocks, the others fork them and prefill only their own tokens (vLLM V0
+   refused to recompute such groups and required swapping; V1 has no such groups: it runs
+   each sample as a request of its own).
+6. A request that can never run, because the whole cache is too small for it, fails alone:
    it finishes with a :class:`CacheTooSmall` error of its own and its blocks are freed; the
    other requests go on.
 
@@ -58,22 +66,37 @@ class TooManySequences(ValueError):
     """A request runs more sequences at once (``n``, ``beam_width``) than ``max_num_seqs``."""
 
 
+DEFAULT_BUDGET = 2048  # vLLM's SchedulerConfig default for max_num_batched_tokens
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """The scheduler's limits (vLLM's names and defaults) and its policy."""
+    """The scheduler's limits (vLLM's names and defaults) and its policy.
+
+    ``max_num_batched_tokens`` (the step's token budget) defaults to 2048 with chunked
+    prefill; without it, to at least ``max_model_len`` (vLLM's rule then: a budget below the
+    context would leave the longest prompts no step to run in).
+    """
 
     max_num_seqs: int = 256  # sequences decoding at once
-    max_num_batched_tokens: int = 2048  # tokens in one forward pass
+    max_num_batched_tokens: int | None = None  # tokens in one forward pass
     preemption_mode: str = "recompute"  # or "swap"
     watermark: float = 0.01  # fraction of GPU blocks admission leaves free
     policy: Policy = FCFS()  # the order of admission, decode, preemption and swap-in
+    chunked_prefill: bool = True  # False: prompts prefilled whole (the paper's vLLM, V0)
+    max_model_len: int | None = None  # the longest sequence; sizes the unchunked budget
 
     def __post_init__(self):
         check_positive("max_num_seqs", self.max_num_seqs, integer=True)
-        check_positive("max_num_batched_tokens", self.max_num_batched_tokens, integer=True)
-        if self.max_num_batched_tokens < self.max_num_seqs:
+        if not isinstance(self.chunked_prefill, bool):
+            raise TypeError(f"chunked_prefill={self.chunked_prefill!r} must be a bool")
+        if self.max_model_len is not None:
+            check_positive("max_model_len", self.max_model_len, integer=True)
+        if self.max_num_batched_tokens is not None:
+            check_positive("max_num_batched_tokens", self.max_num_batched_tokens, integer=True)
+        if self.token_budget < self.max_num_seqs:
             raise ValueError(
-                f"max_num_batched_tokens={self.max_num_batched_tokens} must be at least "
+                f"max_num_batched_tokens={self.token_budget} must be at least "
                 f"max_num_seqs={self.max_num_seqs}: each running sequence decodes a token a step"
             )
         if self.preemption_mode not in PREEMPTION_MODES:
@@ -88,13 +111,62 @@ class SchedulerConfig:
                 "subclass, such as FCFS() (an instance, not the class)"
             )
 
+    @property
+    def token_budget(self) -> int:
+        """The step's token budget: ``max_num_batched_tokens``, or its default."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        if self.chunked_prefill:
+            return max(DEFAULT_BUDGET, self.max_num_seqs)
+        return max(DEFAULT_BUDGET, self.max_num_seqs, self.max_model_len or 0)
+
+
+@dataclass
+class Chunk:
+    """One sequence's work in a step: ``num_tokens`` query tokens from position ``start``.
+
+    Everything an executor needs, so that neither the model runner nor the simulator asks
+    the manager: the tokens' cache slots, the block table they attend through and how many
+    keys they see. A decode is a chunk of one token; a prefill chunk follows ``start``
+    tokens already cached (earlier chunks, prefix-cache hits).
+    """
+
+    seq: Sequence
+    start: int  # tokens already in the cache: the first query token's position
+    num_tokens: int  # query tokens this step (1 for a decode)
+    block_table: list[int]  # the sequence's GPU blocks, this step's included
+    slots: list[int]  # cache slot of each query token: where its key and value go
+    is_decode: bool = False
+
+    @classmethod
+    def of(cls, manager: KVCacheManager, seq: Sequence, start: int, num_tokens: int,
+           is_decode: bool = False) -> Chunk:
+        """``num_tokens`` tokens of ``seq`` from ``start``, once ``manager`` holds them."""
+        table, bs = manager.block_table(seq.seq_id), manager.block_size
+        slots = [table[p // bs] * bs + p % bs for p in range(start, start + num_tokens)]
+        return cls(seq, start, num_tokens, table, slots, is_decode)
+
+    @property
+    def context_len(self) -> int:
+        """Keys the last query token attends to: the cached ones and the chunk's."""
+        return self.start + self.num_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.token_ids[self.start : self.context_len]
+
+    @property
+    def samples(self) -> bool:
+        """Does the chunk reach the sequence's last token, whose logits pick the next one?"""
+        return self.context_len == len(self.seq)
+
 
 @dataclass
 class Step:
     """One step's batch and the block copies to make before its forward pass."""
 
-    prefills: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, cached tokens)
-    decodes: list[Sequence] = field(default_factory=list)
+    prefills: list[Chunk] = field(default_factory=list)  # prompt chunks, whole or partial
+    decodes: list[Chunk] = field(default_factory=list)  # one token per running sequence
     groups: list[SequenceGroup] = field(default_factory=list)  # every group in the batch
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu block, cpu block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, gpu block)
@@ -102,12 +174,25 @@ class Step:
     preempted: list[tuple[SequenceGroup, str]] = field(default_factory=list)  # (group, mode)
     swapped_in: list[SequenceGroup] = field(default_factory=list)
     failed: list[SequenceGroup] = field(default_factory=list)  # can never run: finished
+    partial: list[SequenceGroup] = field(default_factory=list)  # prefilling, not sampling yet
     stats: StepStats | None = None
 
     @property
+    def chunks(self) -> list[Chunk]:
+        """The batch's rows in order: prefill chunks, then decodes."""
+        return self.prefills + self.decodes
+
+    @property
     def seqs(self) -> list[Sequence]:
-        """The batch's sequences in the order of its logits: prefills, then decodes."""
-        return [seq for seq, _ in self.prefills] + self.decodes
+        """The sequences sampled this step, in the order of the logits' rows."""
+        return [c.seq for c in self.chunks if c.samples]
+
+    @property
+    def sampled_groups(self) -> list[SequenceGroup]:
+        """The groups that sample this step: all but those still prefilling."""
+        if not self.partial:
+            return self.groups
+        return [g for g in self.groups if g not in self.partial]
 
     @property
     def is_empty(self) -> bool:
@@ -235,7 +320,8 @@ class Scheduler:
     # --- forming a step ---------------------------------------------------------------------
 
     def schedule(self) -> Step:
-        """Form the next step: decode the running, then swap in or admit as room allows.
+        """Form the next step: decode the running, continue partial prefills, then swap in or
+        admit as room allows.
 
         A step with nothing else to run admits even after a preemption; if the head of the
         queue cannot start even then, it never will: it fails, and the next one is tried.
@@ -259,26 +345,55 @@ class Scheduler:
         return step
 
     def _schedule_running(self, step: Step) -> None:
+        """Decodes first, in the policy's order, preempting from the order's end when the
+        blocks run out; then the next chunk of each group still prefilling."""
         queue = deque(ranked(self.config.policy, self.running))  # first served first
+        prefilling: deque[SequenceGroup] = deque()  # in the policy's order, for after decodes
         self.running = []
         while queue:
             group = queue.popleft()
+            if self._prefilling(group):
+                prefilling.append(group)
+                continue
             need = self._blocks_to_decode(group)
             while need > self.manager.num_free_blocks and queue:
                 self._preempt(queue.pop(), step)  # the policy's last (FCFS: latest) gives way
             if need <= self.manager.num_free_blocks:
                 self._decode(group, step)
-            elif self.running:
+            elif self.running or prefilling:
                 self._preempt(group, step)  # it is itself the policy's last left
             else:  # alone in the cache and still it cannot grow
                 self.running.append(group)
                 self._fail(group, self._too_small(group, need + self.manager.num_used_blocks),
                            step)
+        while prefilling:
+            self._prefill_next(prefilling, step)
+
+    def _prefill_next(self, prefilling: deque[SequenceGroup], step: Step) -> None:
+        """The next chunk of the first group in ``prefilling``: as many of its tokens as the
+        budget and the free blocks allow (the policy's last gives way if none are free)."""
+        group = prefilling.popleft()
+        (seq,) = group.live
+        room = self._room(seq)
+        while not room and prefilling:
+            self._preempt(prefilling.pop(), step)
+            room = self._room(seq)
+        if not room and not self.running and step.is_empty:  # alone, and it cannot grow
+            self.running.append(group)
+            need = self.manager.num_used_blocks + 1
+            self._fail(group, self._too_small(group, need), step)
+            return
+        self.running.append(group)  # it keeps its blocks, with or without a chunk now
+        start = self.manager.num_tokens(seq.seq_id)
+        n = min(len(seq) - start, self._budget_left(step), room)
+        if n:
+            self.manager.append(seq.seq_id, seq.token_ids[start : start + n])
+            self._add_prefill(group, [Chunk.of(self.manager, seq, start, n)], step)
 
     def _schedule_swapped(self, step: Step) -> None:
         while self.swapped:
             group = self.swapped[0]
-            if not self._can_resume(group):
+            if not self._can_resume(group, group.blocks_to_swap_in):
                 return
             self.swapped.pop(0)
             step.swap_in += self.manager.swap_in(*(s.seq_id for s in group.live))
@@ -286,42 +401,65 @@ class Scheduler:
             self._decode(group, step)
 
     def _schedule_waiting(self, step: Step) -> None:
-        budget = self.config.max_num_batched_tokens - len(step.decodes)
+        """Admit waiting groups while they fit: with chunked prefill each starts with a chunk
+        of what is left of the budget; without, a prompt must fit whole (or run alone)."""
+        chunked = self.config.chunked_prefill
         while self.waiting:
             group = self.waiting[0]
-            # the prompt, or prompt + outputs again (a shared prompt counted once)
-            tokens = sum(map(len, group.live)) - (len(group.live) - 1) * self._shared_prompt(group)
-            if not self._can_resume(group):
-                return
-            if tokens > budget and not step.is_empty:  # too big for the budget: runs alone
-                return
-            self.waiting.popleft()
-            prefills = self._allocate(group)
-            step.prefills += prefills
-            budget -= sum(len(seq) - cached for seq, cached in prefills)
+            budget = self._budget_left(step)
+            if len(group.live) > 1:  # a forked group recomputed: its prompt once, unchunked
+                tokens = sum(map(len, group.live)) - (len(group.live) - 1) * self._shared_prompt(
+                    group)
+                if not self._can_resume(group, self._blocks_to_resume(group)):
+                    return
+                if tokens > budget and not step.is_empty:  # too big for the budget: runs alone
+                    return
+                self.waiting.popleft()
+                chunks = self._allocate(group)
+            else:
+                (seq,) = group.live
+                hits = self.manager.cached_prefix(seq.token_ids)
+                n = len(seq) - hits
+                if chunked:
+                    n = min(n, budget)
+                elif n > budget and not step.is_empty:  # too big for the budget: runs alone
+                    return
+                if not n or not self._can_resume(group, -(-(hits + n) // self.manager.block_size)):
+                    return
+                self.waiting.popleft()
+                self.manager.allocate(seq.seq_id, seq.token_ids[: hits + n], prompt_len=len(seq))
+                chunks = [Chunk.of(self.manager, seq, hits, n)]
             if group.metrics.first_scheduled_time is None:
                 group.metrics.first_scheduled_time = time.monotonic()
             group.status = GroupStatus.RUNNING
             self.running.append(group)
-            step.groups.append(group)
+            self._add_prefill(group, chunks, step)
 
-    def _allocate(self, group: SequenceGroup) -> list[tuple[Sequence, int]]:
-        """Blocks for a waiting group's prefill: each sequence, with its tokens already cached.
+    def _add_prefill(self, group: SequenceGroup, chunks: list[Chunk], step: Step) -> None:
+        step.prefills += chunks
+        step.groups.append(group)
+        if not chunks[-1].samples:
+            step.partial.append(group)
+
+    def _allocate(self, group: SequenceGroup) -> list[Chunk]:
+        """Blocks for a recomputed forked group's prefill, and each sequence's chunk.
 
         Forked sequences share their prompt's full blocks: the first computes them, the others
         fork it before anyone appends, and then compute only what follows (the prompt's partial
         last block and their own outputs, re-computed by each).
         """
-        seqs, shared = group.live, self._shared_prompt(group)
+        seqs, shared, m = group.live, self._shared_prompt(group), self.manager
         if not shared:
-            return [(seq, self.manager.allocate(seq.seq_id, seq.token_ids)) for seq in seqs]
-        first = seqs[0]
-        hits = self.manager.allocate(first.seq_id, group.prompt_token_ids[:shared])
-        for seq in seqs[1:]:
-            self.manager.fork(first.seq_id, seq.seq_id)
-        for seq in seqs:
-            self.manager.append(seq.seq_id, seq.token_ids[shared:])
-        return [(first, hits)] + [(seq, shared) for seq in seqs[1:]]
+            starts = [m.allocate(seq.seq_id, seq.token_ids) for seq in seqs]
+        else:
+            first = seqs[0]
+            starts = [m.allocate(first.seq_id, group.prompt_token_ids[:shared])]
+            for seq in seqs[1:]:
+                m.fork(first.seq_id, seq.seq_id)
+                starts.append(shared)
+            for seq in seqs:
+                m.append(seq.seq_id, seq.token_ids[shared:])
+        return [Chunk.of(self.manager, seq, start, len(seq) - start) for seq, start in zip(seqs, starts)]
 
     def _shared_prompt(self, group: SequenceGroup) -> int:
         """Prompt tokens in full blocks that a waiting group's live sequences will share
@@ -334,17 +472,18 @@ class Scheduler:
     def _decode(self, group: SequenceGroup, step: Step) -> None:
         """Store each live sequence's pending token; its key and value come this step."""
         for seq in group.live:
-            self.manager.append(seq.seq_id, seq.output_token_ids[-1:])
-            step.decodes.append(seq)
+            self.manager.append(seq.seq_id, seq.token_ids[-1:])
+            step.decodes.append(Chunk.of(self.manager, seq, len(seq) - 1, 1, is_decode=True))
         group.status = GroupStatus.RUNNING
         self.running.append(group)
         step.groups.append(group)
 
     def _preempt(self, group: SequenceGroup, step: Step) -> None:
-        """Evict a whole group: to the CPU pool if swapping (and it fits), else to recompute."""
+        """Evict a whole group: to the CPU pool if swapping (and it fits, and it is past its
+        prefill), else to recompute."""
         ids = [s.seq_id for s in group.live]
         mode = self.config.preemption_mode
-        if mode == "swap" and self.manager.can_swap_out(*ids):
+        if mode == "swap" and not self._prefilling(group) and self.manager.can_swap_out(*ids):
             decode_need = self._blocks_to_decode(group)  # the same once it is back
             pairs = self.manager.swap_out(*ids)
             step.swap_out += pairs
@@ -359,7 +498,21 @@ class Scheduler:
             enqueue(self.config.policy, self.waiting, group)  # FCFS: before later arrivals
         step.preempted.append((group, mode))
 
-    # --- block and seat arithmetic ----------------------------------------------------------
+    # --- block, token and seat arithmetic ---------------------------------------------------
+
+    def _prefilling(self, group: SequenceGroup) -> bool:
+        """Is a running group still short of its prompt (more than one token not cached)?"""
+        seqs = group.live
+        return len(seqs) == 1 and self.manager.num_tokens(seqs[0].seq_id) < len(seqs[0]) - 1
+
+    def _room(self, seq: Sequence) -> int:
+        """Tokens ``seq`` can append now: the rest of its last block and every free block."""
+        bs = self.manager.block_size
+        return -self.manager.num_tokens(seq.seq_id) % bs + self.manager.num_free_blocks * bs
+
+    def _budget_left(self, step: Step) -> int:
+        used = sum(c.num_tokens for c in step.prefills) + len(step.decodes)
+        return self.config.token_budget - used
 
     def _blocks_to_decode(self, group: SequenceGroup) -> int:
         """GPU blocks that appending one token to each live sequence takes, exactly: a fresh
@@ -377,19 +530,21 @@ class Scheduler:
         return need
 
     def _blocks_to_resume(self, group: SequenceGroup) -> int:
-        """GPU blocks a waiting group's prefills (prefix hits ignored) or a swapped group's
-        return and next decode take."""
+        """GPU blocks a swapped group's return and next decode take, or a waiting group's
+        first step (prefix hits ignored): its first chunk, or all its tokens unchunked."""
         if group.status is GroupStatus.SWAPPED:
             return group.blocks_to_swap_in
         bs, shared = self.manager.block_size, self._shared_prompt(group)
+        if len(group.live) == 1 and self.config.chunked_prefill:
+            return -(-min(len(group.live[0]), self.config.token_budget) // bs)
         return shared // bs + sum(-(-(len(seq) - shared) // bs) for seq in group.live)
 
-    def _can_resume(self, group: SequenceGroup) -> bool:
-        """Would a waiting or swapped group fit now: its blocks above the watermark, its seats
-        under ``max_num_seqs``?"""
+    def _can_resume(self, group: SequenceGroup, blocks: int) -> bool:
+        """Would a waiting or swapped group's ``blocks`` fit now above the watermark, and its
+        seats under ``max_num_seqs``?"""
         room = self.manager.num_free_blocks - self.watermark_blocks
         seats = sum(g.max_seqs for g in self.running) + group.max_seqs
-        return self._blocks_to_resume(group) <= room and seats <= self.config.max_num_seqs
+        return blocks <= room and seats <= self.config.max_num_seqs
 
     def _too_small(self, group: SequenceGroup, need: int) -> CacheTooSmall:
         m = self.manager
@@ -403,8 +558,10 @@ class Scheduler:
         return StepStats(
             step=self.num_steps,
             prefill_seqs=len(step.prefills),
-            prefill_tokens=sum(len(seq) - cached for seq, cached in step.prefills),
+            prefill_tokens=sum(c.num_tokens for c in step.prefills),
             decode_seqs=len(step.decodes),
+            kv_tokens_read=sum(c.start for c in step.prefills)
+            + sum(c.context_len for c in step.decodes),
             running=len(self.running),
             waiting=len(self.waiting),
             swapped=len(self.swapped),

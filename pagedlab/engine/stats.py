@@ -11,7 +11,7 @@ class StepStats:
 
     step: int
     prefill_seqs: int
-    prefill_tokens: int  # prompt tokens computed (prefix-cache hits excluded)
+    prefill_tokens: int  # prompt tokens computed this step (prefix-cache hits excluded)
     decode_seqs: int
     running: int  # groups in each queue once the step was formed
     waiting: int
@@ -22,6 +22,7 @@ class StepStats:
     blocks_swapped_out: int = 0
     blocks_swapped_in: int = 0
     blocks_copied: int = 0  # copy-on-write copies
+    kv_tokens_read: int = 0  # cached keys attention reads: prefill chunks' prefixes, decodes'
 
     @property
     def batched_tokens(self) -> int:

@@ -148,13 +148,26 @@ class KVCacheManager:
 
     # --- the request lifecycle --------------------------------------------------------------
 
-    def allocate(self, seq_id: Hashable, token_ids: Sequence[int]) -> int:
+    def cached_prefix(self, token_ids: Sequence[int]) -> int:
+        """Tokens of a prompt that :meth:`allocate` would serve from the prefix cache now
+        (0 without prefix caching). Read-only: a scheduler sizes a first chunk with it."""
+        cache, n = self.prefix_cache, len(token_ids)
+        if cache is None or n == 0:
+            return 0
+        keys: list[int] = []
+        cache.extend_keys(keys, token_ids)
+        return len(cache.match(keys, token_ids, (n - 1) // self.block_size)) * self.block_size
+
+    def allocate(self, seq_id: Hashable, token_ids: Sequence[int], *,
+                 prompt_len: int | None = None) -> int:
         """Blocks for a new sequence's prompt; return how many prompt tokens the cache served.
 
         With prefix caching, the prompt's longest cached prefix of full blocks is shared, not
         recomputed; at least one token is always left to compute (the engine needs its
         logits), as in vLLM. The engine writes keys and values for the rest, positions
-        ``[returned, len(token_ids))``.
+        ``[returned, len(token_ids))``. A chunked prefill allocates its first chunk here and
+        appends the rest; ``prompt_len`` is then the whole prompt's length, for
+        :attr:`prefix_stats`.
         """
         self._check_new(seq_id)
         tokens = list(token_ids)
@@ -178,7 +191,7 @@ class KVCacheManager:
             cache.insert(blocks, keys, tokens, len(hits))
         self._running[seq_id] = BlockTable(seq_id, bs, blocks, tokens, keys)
         cached = len(hits) * bs
-        self._prompt_tokens += n
+        self._prompt_tokens += n if prompt_len is None else prompt_len
         self._hit_tokens += cached
         if self.events is not None:
             self._record("allocate", seq_id, blocks, num_tokens=n, cached_tokens=cached)

@@ -104,21 +104,28 @@ class CostModel:
         prefill_lens: Sequence[int] = (),
         decode_lens: Sequence[int] = (),
         block_size: int | None = None,
+        prefill_starts: Sequence[int] = (),
     ) -> float:
-        """Seconds for one step that prefills prompts of ``prefill_lens`` tokens and decodes one
-        token for sequences whose contexts (the new token included) are ``decode_lens``."""
+        """Seconds for one step that computes prompt chunks of ``prefill_lens`` tokens, each
+        after ``prefill_starts`` tokens already cached (none if omitted: whole prompts), and
+        decodes one token for sequences whose contexts (the new token included) are
+        ``decode_lens``."""
         if not prefill_lens and not decode_lens:
             return 0.0
+        starts = prefill_starts or [0] * len(prefill_lens)
         prefill_tokens = sum(prefill_lens)
         tokens = prefill_tokens + len(decode_lens)
-        pairs = sum(n * (n + 1) // 2 for n in prefill_lens) + sum(decode_lens)  # causal
+        # causal: a chunk's i-th token sees the cached prefix and the chunk up to itself
+        pairs = sum(n * s + n * (n + 1) // 2 for n, s in zip(prefill_lens, starts))
+        pairs += sum(decode_lens)
+        contexts = [*decode_lens, *(s for s in starts if s)]  # cached keys attention reads
         if block_size is None:
-            read = sum(decode_lens)
+            read = sum(contexts)
         else:
-            read = sum(self.kv_read_tokens(n, block_size) for n in decode_lens)
+            read = sum(self.kv_read_tokens(n, block_size) for n in contexts)
         flops = self._flops_per_token * tokens + self._flops_per_pair * pairs
-        # Decodes read their context (the new token's slot included, as it is written); prefills
-        # write their prompt's keys and values.
+        # Decodes read their context (the new token's slot included, as it is written), chunks
+        # their cached prefix; prefills write their tokens' keys and values.
         bytes_moved = self._weight_bytes + self._kv_token_bytes * (read + prefill_tokens)
         return max(flops / self._compute, bytes_moved / self._bandwidth) + self.step_overhead
 

@@ -60,13 +60,14 @@ class SimExecutor:
 
     def execute(self, step: Step) -> StepRun:
         """What ``step`` costs and produces."""
-        decode_lens = [len(seq) for seq in step.decodes]
+        decode_lens = [c.context_len for c in step.decodes]
         seconds = self.cost.step_time(
-            [len(seq) - cached for seq, cached in step.prefills], decode_lens, self.block_size)
+            [c.num_tokens for c in step.prefills], decode_lens, self.block_size,
+            prefill_starts=[c.start for c in step.prefills])
         moved = len(step.swap_out) + len(step.swap_in)
         swap = self.cost.swap_time(moved, self.block_size) if moved else 0.0
         outputs = []
-        for group in step.groups:
+        for group in step.sampled_groups:
             if group.is_beam_search:
                 raise ValueError(f"request {group.request_id!r}: the simulator samples "
                                  "placeholder tokens and cannot rank beams")
@@ -78,7 +79,7 @@ class SimExecutor:
             else:  # the prompt's step starts all n samples from the one sequence
                 children = [SequenceOutput(group.seqs[0], TOKEN, 0.0)] * n
             outputs.append(GroupOutput(group, children))
-        kv_tokens = sum(len(seq) for seq, _ in step.prefills) + sum(decode_lens)
+        kv_tokens = sum(c.context_len for c in step.prefills) + sum(decode_lens)
         return StepRun(seconds, swap, kv_tokens, outputs)
 
 
@@ -110,7 +111,10 @@ def simulate_paged(
                       or cost.kv_capacity_tokens(config.gpu_memory_utilization) // bs)
     block_bytes = bs * cost.kv_bytes_per_token
     manager = KVCacheManager(num_gpu_blocks, bs, int(config.swap_space_gib * 2**30 // block_bytes))
-    scheduler = scheduler_class(manager, config.scheduler)
+    sched_config = config.scheduler
+    if sched_config.max_model_len is None and cost.model.max_context:
+        sched_config = replace(sched_config, max_model_len=cost.model.max_context)
+    scheduler = scheduler_class(manager, sched_config)
     executor = SimExecutor(cost, bs)
     params = {r.id: SamplingParams(n=config.n, max_tokens=r.output_len, ignore_eos=True)
               for r in requests}
