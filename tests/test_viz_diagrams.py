@@ -142,7 +142,8 @@ def test_varlen_tiles_draws_the_kernels_grid_and_each_tile_once(query_lens, tile
     assert sum(r.get_width() for r in D.artists(fig, "tile")) == sum(query_lens)
     # each program's number is the kernel's: the tile numbering starts at start // tile_q + i
     starts = [sum(query_lens[:i]) for i in range(len(query_lens))]
-    numbers = sorted(start // tile_q + i + k for i, (start, n) in enumerate(zip(starts, query_lens))
+    numbers = sorted(start // tile_q + i + k
+                     for i, (start, n) in enumerate(zip(starts, query_lens))
                      for k in range(-(-n // tile_q)))
     drawn = sorted(round(r.get_x() / (sum(query_lens) / grid)) for r in D.artists(fig, "program"))
     assert drawn == numbers
