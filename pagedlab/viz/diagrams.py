@@ -1,4 +1,4 @@
-"""Explanatory diagrams the chapters draw from their own data (chapters 5 to 7, 10 and the
+"""Explanatory diagrams the chapters draw from their own data (chapters 5 to 7, 11 and the
 chunked-prefill chapter).
 
 Each function takes what the chapter computed (a cache tensor, a block table, log-sum-exps,
@@ -356,7 +356,7 @@ def state_machine(states: Sequence[str], edges: Mapping[tuple[str, str], str]) -
     return fig
 
 
-# --- Chapters 1 and 10: what one token caches per layer -------------------------------------
+# --- Chapters 1 and 11: what one token caches per layer -------------------------------------
 
 
 def kv_heads(models: Sequence, max_heads: int = 32) -> Figure:
@@ -405,7 +405,7 @@ def kv_heads(models: Sequence, max_heads: int = 32) -> Figure:
     return fig
 
 
-# --- Chapter 10: bytes per tensor -----------------------------------------------------------
+# --- Chapter 11: bytes per tensor -----------------------------------------------------------
 
 
 def traffic_bars(loads: Mapping[str, Mapping[str, int]], unit: int = 1024,
