@@ -18,7 +18,7 @@ only attention tells the sequences apart.
 much faster on a CPU, where Triton runs through its interpreter). The default follows the
 weights: Triton for a model on CUDA, the reference for one on a CPU.
 
-Given a ``kv_scale``, the caches are fp8 (e4m3, chapter 10): writes quantise with
+Given a ``kv_scale``, the caches are fp8 (e4m3, chapter 11): writes quantise with
 ``reshape_and_cache_fp8``, decodes read fp8 with ``paged_attention_fp8`` (from
 :mod:`pagedlab.kernels.fp8` or :mod:`pagedlab.kernels.fp8_reference`, as ``kernels`` says),
 and a cached prefix is dequantised before SDPA.

@@ -95,6 +95,31 @@ def test_preemption_keeps_replies(real, mode):
     assert (llm.stats.swap_outs > 0) == (mode == "swap")
 
 
+@pytest.mark.parametrize("budget", [1, 7, 64])
+def test_chunked_prefill_keeps_replies(real, budget):
+    """Prompts cut into chunks of one token, of 7 (across block edges), or whole, with the
+    system prompt's blocks hit in the prefix cache: the same replies."""
+    llm = LLM(real["model"], tokenizer=real["tokenizer"], block_size=16,
+              enable_prefix_caching=True, max_num_batched_tokens=budget,
+              max_num_seqs=min(budget, 4))
+    outs = llm.generate(real["texts"], GREEDY, use_tqdm=False)
+    assert token_ids(outs) == real["refs"]
+    steps = llm.stats.steps
+    assert all(s.batched_tokens <= budget for s in steps)
+    assert llm.stats.prefix_hits > 0
+    if budget < min(map(len, real["prompts"])):  # every prompt spanned several steps
+        assert sum(not s.decode_seqs and s.prefill_tokens for s in steps) > 0
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_chunked_prefill_under_preemption_keeps_replies(real, mode):
+    llm = LLM(real["model"], tokenizer=real["tokenizer"], block_size=16, num_gpu_blocks=6,
+              preemption_mode=mode, num_cpu_blocks=32, max_num_batched_tokens=8, max_num_seqs=4)
+    outs = llm.generate(real["texts"], GREEDY, use_tqdm=False)
+    assert token_ids(outs) == real["refs"]
+    assert llm.stats.preemptions > 0
+
+
 def test_prefix_cache_hits_the_shared_system_prompt(real):
     """The chat template puts the same system prompt before every question: its full blocks are
     computed once and hit by the later requests, and the replies do not change."""

@@ -127,3 +127,34 @@ def test_traffic_bars_segments_are_the_bytes():
     fig = D.traffic_bars(loads)
     widths = [r.get_width() for r in D.artists(fig, "segment")]
     assert widths == [2, 2, 0, 4, 2, 0.5]
+
+
+@pytest.mark.parametrize("query_lens,tile_q", [([1, 1, 37, 1, 20], 8), ([5], 16), ([16, 16], 16),
+                                               ([1, 1, 1], 1), ([3, 30, 2, 9], 4)])
+def test_varlen_tiles_draws_the_kernels_grid_and_each_tile_once(query_lens, tile_q):
+    """As many programs as the kernel launches; one per query tile, the rest spare; the tiles
+    cover the packed tokens exactly."""
+    fig = D.varlen_tiles(query_lens, tile_q)
+    grid = sum(query_lens) // tile_q + len(query_lens)
+    tiles = sum(-(-n // tile_q) for n in query_lens)
+    assert len(D.artists(fig, "program")) == tiles == len(D.artists(fig, "assignment"))
+    assert len(D.artists(fig, "spare")) == grid - tiles
+    assert sum(r.get_width() for r in D.artists(fig, "tile")) == sum(query_lens)
+    # each program's number is the kernel's: the tile numbering starts at start // tile_q + i
+    starts = [sum(query_lens[:i]) for i in range(len(query_lens))]
+    numbers = sorted(start // tile_q + i + k
+                     for i, (start, n) in enumerate(zip(starts, query_lens))
+                     for k in range(-(-n // tile_q)))
+    drawn = sorted(round(r.get_x() / (sum(query_lens) / grid)) for r in D.artists(fig, "program"))
+    assert drawn == numbers
+
+
+@pytest.mark.parametrize("cached,chunk,block_size", [(12, 6, 4), (0, 5, 4), (7, 1, 16)])
+def test_chunk_mask_shows_every_cached_key_and_the_chunk_causally(cached, chunk, block_size):
+    fig = D.chunk_mask(cached, chunk, block_size)
+    visible, mask = len(D.artists(fig, "visible")), len(D.artists(fig, "masked"))
+    assert visible == chunk * cached + chunk * (chunk + 1) // 2
+    assert visible + mask == chunk * (cached + chunk)
+    expected = torch.ones(chunk, cached + chunk).tril(cached).sum().item()  # key k <= cached + j
+    assert visible == expected
+    assert len(D.artists(fig, "block_edge")) == (cached + chunk) // block_size + 1

@@ -2,7 +2,7 @@
 # GPU check of pagedlab, for a borrowed CUDA machine with no network and no Jupyter stack.
 # First, at once: the -m gpu kernel tests; the rest of the test suite, which must pass with a
 # GPU present too; the chapters at the large size preset through tools/run_chapters.py (needs
-# IPython and ipywidgets). Chapter 9 is left out: it simulates on the CPU and runs in CI.
+# IPython and ipywidgets). Chapter 10 is left out: it simulates on the CPU and runs in CI.
 # Then, alone on the GPU, the decode and mixed-batch (varlen) benchmarks. Needs python3 with
 # torch, triton, numpy, pytest, hypothesis and transformers. Writes 10 files under $OUT
 # (default benchmarks/results), or one archive of them, $OUT/gpu-check.tgz, with PACK=1. About 9 minutes: each part has a timeout, the decode benchmark
@@ -28,7 +28,7 @@ OMP_NUM_THREADS=2 timeout 240 "$PY" -m pytest tests -m "not gpu" -q -ra -p no:ca
   -p no:benchmark "${parallel[@]}" \
   --ignore=tests/test_book.py --ignore=tests/test_assignments.py >"$OUT/suite.log" 2>&1 &
 suite=$!
-chapters=(book/ch0[1-8]_*.ipynb book/ch10_*.ipynb)
+chapters=(book/ch0[1-9]_*.ipynb book/ch11_*.ipynb)
 timeout 250 "$PY" tools/run_chapters.py "${chapters[@]}" --jobs 3 --timeout 240 \
   >"$OUT/chapters.log" 2>&1 &
 book=$!

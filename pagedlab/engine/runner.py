@@ -3,7 +3,7 @@
 The scheduler hands it a :class:`~pagedlab.engine.scheduler.Step`; the runner makes the
 step's block copies (swaps, then copy-on-write), turns the step's chunks into a
 :class:`~pagedlab.model.ForwardBatch` (token ids, positions, slots, block tables) and runs the
-model. The simulator of chapter 9 replaces exactly this class with a cost model.
+model. The simulator of chapter 10 replaces exactly this class with a cost model.
 
 ``kv_cache_dtype="fp8"`` (vLLM's name) keeps the caches in e4m3, one byte per value, with one
 scale ``kv_scale`` for keys and values (vLLM's default 1.0: no calibration); "auto" keeps them

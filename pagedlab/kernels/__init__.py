@@ -3,7 +3,7 @@
 ``pagedlab.kernels.paged_attention`` and friends are the Triton kernels (through the
 interpreter on a CPU); ``pagedlab.kernels.reference`` holds the same functions in plain torch,
 the spec the kernels are tested against. Arguments are checked before any launch
-(``pagedlab.kernels.validate``). Chapter 10's kernels (a two-pass decode, an fp8 cache, MLA over
+(``pagedlab.kernels.validate``). Chapter 11's kernels (a two-pass decode, an fp8 cache, MLA over
 a latent cache) have their specs in ``fp8_reference`` and ``mla_reference``; the mixed-batch
 (prefill chunks and decodes) ``paged_attention_varlen`` has its spec in ``varlen_reference``.
 """

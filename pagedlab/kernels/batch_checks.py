@@ -1,7 +1,7 @@
 """Argument checks for decode batches whose cache is not of the query's dtype (fp8, MLA latents).
 
 :func:`pagedlab.kernels.validate.check_paged_attention` requires caches of the query's dtype.
-The fp8 and MLA kernels of chapter 10 take other caches but the same batch description (query,
+The fp8 and MLA kernels of chapter 11 take other caches but the same batch description (query,
 block tables, sequence lengths); :func:`check_decode_batch` checks that part with
 ``validate``'s helpers, so that every error names its argument in the same words.
 """

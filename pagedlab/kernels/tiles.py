@@ -1,7 +1,7 @@
 """What every decode kernel shares: tile sizes, tl.dot's operand dtype, and the loop's steps.
 
 The host-side pieces (``TILE_TOKENS``, ``dot_pad``, ``dot_dtype``) serve every kernel. The
-``@triton.jit`` steps serve chapter 10's kernels (two-pass, fp8, MLA), so that each reads as its
+``@triton.jit`` steps serve chapter 11's kernels (two-pass, fp8, MLA), so that each reads as its
 own idea (a second pass, scales, a latent cache) around the same few calls: find a tile's slots
 through the block table, compute a group's logits, fold a tile into the online softmax.
 :mod:`pagedlab.kernels.decode` spells the same steps out inline on purpose: chapter 7 reads that

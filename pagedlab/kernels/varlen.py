@@ -78,6 +78,7 @@ def _varlen_attention_kernel(
     DOT_DTYPE: tl.constexpr,  # dtype of tl.dot's operands
     PRECISION: tl.constexpr,  # "ieee" for fp32 operands: no TF32 rounding
 ):
+    # >>> grid
     # Grid: (num_tokens // TILE_Q + num_seqs, num_kv_heads).
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -88,7 +89,9 @@ def _varlen_attention_kernel(
     if first >= q_len:  # a spare tile number: the sequence has fewer tiles
         return
     context = tl.load(seq_lens_ptr + seq) - q_len  # tokens cached before this step's queries
+    # <<< grid
 
+    # >>> rows
     # Rows [ROWS]: query token first + r // GROUP of the sequence, query head r % GROUP of the
     # group. Rows past the tile or past the sequence's last token load as 0 and are not stored.
     rows = tl.arange(0, ROWS)
@@ -101,15 +104,19 @@ def _varlen_attention_kernel(
     packed = (q_start + q_tokens).to(tl.int64)  # [ROWS], row of query and out
     q_ptrs = query_ptr + packed[:, None] * stride_q_token + heads[:, None] * stride_q_head
     q = tl.load(q_ptrs + dims[None, :], mask=io_ok, other=0.0).to(DOT_DTYPE)  # [ROWS, DIM_PAD]
+    # <<< rows
+    # >>> positions
     # Position of each row's token in its sequence. Rows that are not stored sit past the
     # last key, so every row sees key 0 and no row's softmax is empty.
     positions = context + q_tokens  # [ROWS]
     end = context + tl.minimum(first + TILE_Q, q_len)  # keys 0 ... end - 1 are seen by some row
+    # <<< positions
 
     m = tl.full([ROWS], float("-inf"), tl.float32)
     l = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, DIM_PAD], tl.float32)
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_t_seq
+    # >>> loop
     for tile_start in range(0, end, TILE):
         keys = tile_start + tl.arange(0, TILE)  # [TILE] key positions
         key_ok = keys < end
@@ -126,6 +133,7 @@ def _varlen_attention_kernel(
         visible = key_ok[None, :] & (keys[None, :] <= positions[:, None])
         s = tl.where(visible, s, float("-inf"))
         m, l, acc = online_softmax_step(m, l, acc, s, v, PRECISION)
+    # <<< loop
 
     out = acc / l[:, None]  # [ROWS, DIM_PAD]; l > 0: every row saw key 0
     o_ptrs = out_ptr + packed[:, None] * stride_o_token + heads[:, None] * stride_o_head

@@ -1,8 +1,8 @@
 """Simulation without a GPU: request traces, and KV memory over time under a policy.
 
 Chapter 2 uses :mod:`~pagedlab.sim.memory_sim` to measure how contiguous allocation wastes
-memory; chapter 9 extends it with the engine's scheduler (:mod:`~pagedlab.sim.simulator`) and a GPU
-cost model (:mod:`~pagedlab.sim.cost_model`); chapters 5 and 9 measure what sharing saves with
+memory; chapter 10 extends it with the engine's scheduler (:mod:`~pagedlab.sim.simulator`) and a GPU
+cost model (:mod:`~pagedlab.sim.cost_model`); chapters 5 and 10 measure what sharing saves with
 :mod:`~pagedlab.sim.sharing`.
 """
 

@@ -33,7 +33,7 @@ from pagedlab.hardware import GPU, get_gpu
 class CostModel:
     """Seconds per step and per swap for ``model`` on ``num_gpus`` ``gpu`` s (tensor parallel).
 
-    Defaults, and which have a source (chapter 9 prints this and boxes the same table):
+    Defaults, and which have a source (chapter 10 prints this and boxes the same table):
 
     - ``bandwidth_efficiency=0.8``: measured on another GPU only. Our decode kernel moved
       3.79 TB/s on an H200 at batch 64 x 4,096 tokens, 79% of the datasheet's 4.8 TB/s
@@ -42,7 +42,7 @@ class CostModel:
       that a serving step's matrix products reach.
     - ``step_overhead=0.005`` s: an assumption, not calibrated (the paper reports no step
       times): scheduling, sampling, kernel launches and Python per step. The least certain
-      number here; chapter 9's exercise 1 measures how much the results depend on it.
+      number here; chapter 10's exercise 1 measures how much the results depend on it.
     - ``pcie_bandwidth=25e9`` B/s: an assumption, about 80% of the 31.5 GB/s per direction
       that PCIe 4.0 x16 (16 GT/s a lane, 128b/130b coding) carries.
     - ``copy_latency=5e-6`` s per copy: an assumption. The paper's vLLM (V0) swapped with one

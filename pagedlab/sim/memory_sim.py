@@ -12,7 +12,7 @@ out. Paging allocates a block at a time and can: then the latest admitted reques
 preempted (freed and put back at the head of the queue, to resume later with its prompt and
 the tokens it had produced) and no one is admitted until a request finishes. This is a
 memory-only stand-in for the engine's scheduler (chapter 6). Steps take a fixed time, or
-the time a :class:`~pagedlab.sim.cost_model.CostModel` gives them: chapter 9 runs the Orca
+the time a :class:`~pagedlab.sim.cost_model.CostModel` gives them: chapter 10 runs the Orca
 and FasterTransformer baselines through this loop that way, with request-level batching for
 the latter (a batch runs to its end before the next one is admitted), and the paged system
 through the engine's own scheduler (:mod:`pagedlab.sim.simulator`).

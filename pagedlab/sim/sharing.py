@@ -5,7 +5,7 @@ Each workload here plays one request on the real :class:`~pagedlab.memory.KVCach
 with ``share=True`` through fork and copy-on-write, with ``share=False`` through private
 copies: the memory a cache without sharing needs. Random tokens, and for beam search a toy
 model's scores (:func:`next_token_logprobs`), stand in for a model. :func:`measure_saving`
-runs a trace both ways (chapter 5 explains the mechanism, chapter 9 sets the result beside
+runs a trace both ways (chapter 5 explains the mechanism, chapter 10 sets the result beside
 the paper's).
 """
 

@@ -1,4 +1,5 @@
-"""Explanatory diagrams the chapters draw from their own data (chapters 5, 6, 7 and 10).
+"""Explanatory diagrams the chapters draw from their own data (chapters 5 to 7, 11 and the
+chunked-prefill chapter).
 
 Each function takes what the chapter computed (a cache tensor, a block table, log-sum-exps,
 prompts, a run's transition counts, model presets) and returns a matplotlib figure about 7
@@ -21,7 +22,7 @@ from pagedlab.memory.prefix_cache import block_key
 
 __all__ = [
     "artists", "cache_layout", "decode_grid", "split_ranges", "split_merge", "hash_chain",
-    "state_machine", "kv_heads", "traffic_bars",
+    "state_machine", "kv_heads", "traffic_bars", "varlen_tiles", "chunk_mask",
 ]
 
 WIDTH = 7.0  # inches: the page width
@@ -179,6 +180,83 @@ def split_merge(ranges: Sequence[tuple[int, int]], lse: Sequence[float]) -> Figu
     return fig
 
 
+# --- Chunked prefill: the varlen kernel's query tiles and a chunk's causal mask ---------------
+
+
+def varlen_tiles(query_lens: Sequence[int], tile_q: int) -> Figure:
+    """The varlen kernel's first grid axis over a step's packed query tokens.
+
+    Sequence ``i`` brings ``query_lens[i]`` tokens; its tiles of ``tile_q`` tokens are numbered
+    from ``start_i // tile_q + i`` (``start_i`` its first packed row), as the kernel numbers
+    them. Top: the packed tokens cut into each sequence's tiles; bottom: one box per program of
+    the grid's ``num_tokens // tile_q + num_seqs``, joined to the tile it computes, or marked as
+    a spare number that exits at once.
+    """
+    starts = [sum(query_lens[:i]) for i in range(len(query_lens))]
+    total = sum(query_lens)
+    grid = total // tile_q + len(query_lens)
+    owner = {}  # program -> (sequence, first token of its tile)
+    for i, (start, n) in enumerate(zip(starts, query_lens)):
+        for k in range(-(-n // tile_q)):
+            owner[start // tile_q + i + k] = (i, k * tile_q)
+    fig, ax = _canvas(2.6, (-0.16 * total, total * 1.02), (-0.4, 3.5))
+    ax.text(-0.01 * total, 2.45, "packed\nquery rows", ha="right", va="center", fontsize=FONT)
+    ax.text(-0.01 * total, 0.45, "programs\n(axis 0)", ha="right", va="center", fontsize=FONT)
+    for i, (start, n) in enumerate(zip(starts, query_lens)):
+        color = COLORS[i % len(COLORS)]
+        for first in range(0, n, tile_q):
+            width = min(tile_q, n - first)
+            _box(ax, start + first, 2.2, width, 0.5, "", gid="tile", fill=color, edge="#ffffff",
+                 alpha=0.75)
+        wide = n >= 0.12 * total  # room for a full label; narrow ones alternate in height
+        ax.text(start + n / 2, 2.95 if wide or i % 2 else 3.35,
+                f"seq {i}: {n}" if wide else str(i), ha="center", va="center", fontsize=FONT,
+                color=color)
+    w = total / grid
+    for t in range(grid):
+        if t in owner:
+            i, first = owner[t]
+            _box(ax, t * w + 0.05 * w, 0.2, 0.9 * w, 0.5, str(t) if w > 0.03 * total else "",
+                 gid="program", fill=COLORS[i % len(COLORS)], alpha=0.35)
+            tile_mid = starts[i] + first + min(tile_q, query_lens[i] - first) / 2
+            ax.plot([t * w + w / 2, tile_mid], [0.7, 2.2], color="#888888", lw=0.7,
+                    gid="assignment")
+        else:
+            _box(ax, t * w + 0.05 * w, 0.2, 0.9 * w, 0.5, "×", gid="spare", fill="#f2f2f2",
+                 edge="#aaaaaa")
+    ax.text(-0.16 * total, -0.25, f"tiles of {tile_q} query tokens; × a spare program number: "
+            "its sequence has fewer tiles, so it exits", fontsize=FONT, color="#555555",
+            va="center")
+    return fig
+
+
+def chunk_mask(cached: int, chunk: int, block_size: int) -> Figure:
+    """Which keys each query token of a prefill chunk sees: a chunk of ``chunk`` tokens after
+    ``cached`` cached ones. Row j (query at position ``cached + j``) sees every cached key and
+    the chunk's keys up to itself; vertical lines mark the cache's blocks."""
+    keys = cached + chunk
+    fig, ax = _canvas(1.0 + 0.28 * chunk, (-0.22 * keys, keys + 0.5), (-2.3, chunk + 0.3))
+    for j in range(chunk):
+        y = chunk - 1 - j
+        ax.text(-0.3, y + 0.5, f"query at {cached + j}", ha="right", va="center", fontsize=FONT)
+        for k in range(keys):
+            if k < cached:
+                gid, fill = "visible", COLORS[0]
+            elif k <= cached + j:
+                gid, fill = "visible", COLORS[1]
+            else:
+                gid, fill = "masked", "#ffffff"
+            _box(ax, k, y, 1, 1, gid=gid, fill=fill, edge="#dddddd", alpha=0.7)
+    for b in range(0, keys + 1, block_size):
+        ax.plot([b, b], [0, chunk], color="#444444", lw=1.2, gid="block_edge")
+    ax.text(0, -0.45, f"keys 0 to {keys - 1} (blocks of {block_size})", va="center",
+            fontsize=FONT)
+    ax.text(0, -1.55, f"blue: the {cached} cached keys, seen by every row\norange: the chunk's "
+            "own keys, seen causally; white: masked", va="center", fontsize=FONT,
+            color="#555555")
+    return fig
+
+
 # --- Chapter 5: the prefix cache's hash chain -----------------------------------------------
 
 
@@ -278,7 +356,7 @@ def state_machine(states: Sequence[str], edges: Mapping[tuple[str, str], str]) -
     return fig
 
 
-# --- Chapters 1 and 10: what one token caches per layer -------------------------------------
+# --- Chapters 1 and 11: what one token caches per layer -------------------------------------
 
 
 def kv_heads(models: Sequence, max_heads: int = 32) -> Figure:
@@ -327,7 +405,7 @@ def kv_heads(models: Sequence, max_heads: int = 32) -> Figure:
     return fig
 
 
-# --- Chapter 10: bytes per tensor -----------------------------------------------------------
+# --- Chapter 11: bytes per tensor -----------------------------------------------------------
 
 
 def traffic_bars(loads: Mapping[str, Mapping[str, int]], unit: int = 1024,
