@@ -139,8 +139,7 @@ def synthetic_steps(rng, n=200):
     return steps
 
 
-@pytest.mark.parametrize("relative", [True, False])
-def test_fit_recovers_known_constants(relative):
+def test_fit_recovers_known_constants():
     rng = np.random.default_rng(0)
     truth = {"decode_seqs": 2e-3, "prefill_tokens": 1.5e-3, "kv_tokens_read": 4e-6,
              "attention_pairs": 3e-8}
@@ -148,20 +147,21 @@ def test_fit_recovers_known_constants(relative):
     exact = [0.03 + sum(c * features(s.prefill_lens, s.decode_lens, s.prefill_starts)[n]
                         for n, c in truth.items()) for s in shapes]
     fit = fit_cost_model([StepTiming(0, t, s) for t, s in zip(exact, shapes)], tuple(truth),
-                         kv_bytes_per_token=1, swap_bandwidth=1.0, relative=relative)
+                         kv_bytes_per_token=1, swap_bandwidth=1.0)
     assert fit.constant == pytest.approx(0.03, rel=1e-6)
     assert fit.coefficients == pytest.approx(truth, rel=1e-6)
     assert np.abs(fit.residuals).max() < 1e-9
     # with 5% noise the fit still lands near the truth, and its residuals are the noise's size
     noisy = [t * (1 + 0.05 * rng.standard_normal()) for t in exact]
     fit = fit_cost_model([StepTiming(0, t, s) for t, s in zip(noisy, shapes)], tuple(truth),
-                         kv_bytes_per_token=1, swap_bandwidth=1.0, relative=relative)
+                         kv_bytes_per_token=1, swap_bandwidth=1.0)
     predicted = np.array([fit.step_time(s.prefill_lens, s.decode_lens, 16, s.prefill_starts)
                           for s in shapes])
     assert np.sqrt(np.mean((predicted / exact - 1) ** 2)) < 0.035  # nearer the truth than the data
     assert fit.coefficients["prefill_tokens"] == pytest.approx(1.5e-3, rel=0.1)
     assert fit.rms_relative_error == pytest.approx(0.05, rel=0.3)
     assert fit.residuals == pytest.approx(np.array(noisy) - predicted)
+    assert predicted.sum() == pytest.approx(sum(noisy))  # the fitted times add up
 
 
 def test_fitted_model_prices_steps_and_swaps_as_a_cost_model_does():

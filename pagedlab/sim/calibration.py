@@ -134,13 +134,12 @@ def relative_errors(cost, steps: Sequence[StepTiming]) -> np.ndarray:
 
 
 def fit_cost_model(steps: Sequence[StepTiming], names: Sequence[str] = DEFAULT_FEATURES, *,
-                   kv_bytes_per_token: int, swap_bandwidth: float,
-                   relative: bool = True) -> FittedCostModel:
+                   kv_bytes_per_token: int, swap_bandwidth: float) -> FittedCostModel:
     """Least squares: ``duration ~ constant + sum(coefficient * feature)`` over ``steps``.
 
-    ``relative`` weighs each step by 1/duration, so the fit minimises relative errors: a
-    replay's thousands of short decode steps matter as much to latency as its few long
-    prefills, which would otherwise dominate the squares.
+    Plain, unweighted squares: with a constant term the fitted times then add up to the
+    measured total, and a request's latency is a sum of step times. (Weighing each step by
+    1/duration fits the many short steps better, but its sum comes out short.)
     """
     unknown = [n for n in names if n not in FEATURES]
     if unknown:
@@ -149,8 +148,7 @@ def fit_cost_model(steps: Sequence[StepTiming], names: Sequence[str] = DEFAULT_F
         raise ValueError(f"{len(steps)} steps cannot fit {len(names) + 1} constants")
     y = np.array([s.duration for s in steps])  # [steps] seconds
     x = np.array([[1.0] + [s.feature(n) for n in names] for s in steps])  # [steps, 1 + features]
-    w = 1 / y if relative else np.ones_like(y)
-    coef = np.linalg.lstsq(x * w[:, None], y * w, rcond=None)[0]  # [1 + features]
+    coef = np.linalg.lstsq(x, y, rcond=None)[0]  # [1 + features]
     return FittedCostModel(float(coef[0]), {n: float(c) for n, c in zip(names, coef[1:])},
                            kv_bytes_per_token, swap_bandwidth, y - x @ coef, y)
 
