@@ -154,12 +154,13 @@ def fit_cost_model(steps: Sequence[StepTiming], names: Sequence[str] = DEFAULT_F
 
 
 def profile(llm, *, batch_sizes: Sequence[int] = (1, 2, 4, 8, 16),
-            prompt_lens: Sequence[int] = (16, 64, 128), output_len: int = 4, seed: int = 0,
+            prompt_lens: Sequence[int] = (16, 64, 128), output_len: int = 16, seed: int = 0,
             clock: Callable[[], float] = time.monotonic) -> list[StepTiming]:
     """Time the engine's steps over a spread of shapes. For each batch size and prompt length,
     half the batch arrives and prefills, the other half arrives and prefills beside the first
-    half's decodes, then all decode to ``output_len`` tokens. One untimed request warms up
-    first (a fresh process's first steps are slow)."""
+    half's decodes, then all decode to ``output_len`` tokens: decodes are most of a serving
+    run's steps, so they should be most of the fit's too. One untimed request warms up first (a
+    fresh process's first steps are slow)."""
     from pagedlab.engine.sampling import SamplingParams
 
     check_positive("output_len", output_len, integer=True)
