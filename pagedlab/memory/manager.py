@@ -169,10 +169,11 @@ class KVCacheManager:
             keys = []
             chunks = cache.extend_keys(keys, tokens)
             hits = cache.match(keys, chunks, (n - 1) // bs)
-            # Reviving a parked hit uses up free capacity just as a fresh block does.
-            needed = num_blocks - len(hits) + sum(self.gpu.refcount(b) == 0 for b in hits)
-            if needed > self.gpu.num_free:
-                raise OutOfBlocks(needed, self.gpu.num_free, self.gpu.name, seq_id)
+            free = self.gpu.num_free
+            if num_blocks > free:  # then count exactly: a parked hit uses up free capacity too
+                needed = num_blocks - len(hits) + sum(self.gpu.refcount(b) == 0 for b in hits)
+                if needed > free:
+                    raise OutOfBlocks(needed, free, self.gpu.name, seq_id)
             cache.acquire(hits)  # before allocating, so evicting cannot take them
             blocks = hits + self.gpu.allocate(num_blocks - len(hits), owner=seq_id)
             cache.insert(blocks, keys, chunks[len(hits):], len(hits))
@@ -202,6 +203,9 @@ class KVCacheManager:
             tokens += token_ids  # most decode steps: room in the last block, ours alone
             if num_new < room:
                 return  # and no block filled
+        elif room == 0 and num_new and self.events is None:  # a full last block: nothing to copy
+            table.blocks += self.gpu.allocate(-(-num_new // bs), owner=seq_id)
+            tokens += token_ids
         else:
             if not num_new:
                 raise ValueError(f"sequence {seq_id!r}: append needs at least one token")
@@ -235,11 +239,10 @@ class KVCacheManager:
         else:
             raise self._unknown(seq_id)
         table = tables[seq_id]
-        released = table.blocks[::-1]
+        if self.events is not None:
+            self._record("free", seq_id, table.blocks[::-1])
         table.free(pool)
         del tables[seq_id]
-        if self.events is not None:
-            self._record("free", seq_id, released)
 
     def grow(self, num_gpu_blocks: int) -> None:
         """Add GPU blocks, keeping every sequence, every cached prefix and every block id."""

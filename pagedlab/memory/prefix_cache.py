@@ -94,12 +94,14 @@ class PrefixCache:
 
     def acquire(self, blocks: Sequence[int]) -> None:
         """Add a user to each matched block: share it if in use, take it back if parked."""
+        in_use = []
         for block in blocks:
             if block in self._parked:
                 del self._parked[block]
                 self.allocator.revive(block)
             else:
-                self.allocator.share((block,))
+                in_use.append(block)
+        self.allocator.share(in_use)
 
     def insert(self, blocks: Sequence[int], keys: Sequence[int],
                chunks: Sequence[tuple[int, ...]], start: int) -> None:
