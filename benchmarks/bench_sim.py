@@ -67,10 +67,12 @@ def markdown(rows: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--limit", type=int, default=None, help="requests of the Azure trace to use")
+    parser.add_argument("--limit", type=int, default=None,
+                        help="requests of the Azure trace to use")
     parser.add_argument("--requests", type=int, default=100_000,
                         help="synthetic Alpaca requests (ShareGPT: a tenth of them)")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "sim-cpu.json",
+    parser.add_argument("--out", type=Path,
+                        default=Path(__file__).parent / "results" / "sim-cpu.json",
                         help="JSON path (a .md table is written beside it)")
     args = parser.parse_args()
     cost = CostModel("OPT-13B", "A100-40GB")
