@@ -59,6 +59,19 @@ def test_decoded_tokens_are_cached_once_their_block_is_full():
     mgr.check_invariants()
 
 
+def test_one_token_at_a_time_each_filled_block_is_cached():
+    """Decode's path: single tokens into the last block, filling it, then opening the next."""
+    mgr = KVCacheManager(8, 4, enable_prefix_caching=True)
+    mgr.allocate("a", [1, 2, 3])
+    for token in range(4, 11):
+        mgr.append("a", [token])
+        assert mgr.num_cached_blocks == mgr.num_tokens("a") // 4
+    assert mgr.block_table("a") == [0, 1, 2]
+    mgr.free("a")
+    assert mgr.allocate("b", list(range(1, 10))) == 8  # both blocks the decode filled
+    mgr.check_invariants()
+
+
 def test_parked_blocks_count_as_free_and_are_taken_only_when_the_free_list_is_empty():
     mgr = manager(num_gpu_blocks=6, record_events=True)
     mgr.allocate("A", [1, 1, 2, 2])  # blocks 0, 1
@@ -149,6 +162,13 @@ def test_keys_chain_the_whole_prefix():
     keys = []
     manager().prefix_cache.extend_keys(keys, [1, 2, 3, 4, 5])
     assert keys == [first, block_key(first, (3, 4))]
+
+
+def test_extending_keys_returns_the_new_blocks_tokens():
+    keys, cache = [], manager().prefix_cache
+    assert cache.extend_keys(keys, [1, 2, 3, 4, 5]) == [(1, 2), (3, 4)]
+    assert cache.extend_keys(keys, [1, 2, 3, 4, 5, 6, 7]) == [(5, 6)]  # only the new block
+    assert keys[2] == block_key(keys[1], (5, 6)) and cache.extend_keys(keys, [1, 2, 3]) == []
 
 
 def test_counters_without_prefix_caching():

@@ -76,11 +76,11 @@ class BlockAllocator:
         if n == 0:
             return []
         free = self._free
-        if n > len(free):
-            available = self.num_free
-            if n > available:
-                raise OutOfBlocks(n, available, self.name, owner)
-            free.extend(self.evictor.evict(n - len(free)))
+        if n > len(free):  # evict parked blocks for the rest, if there are enough
+            short, evictor = n - len(free), self.evictor
+            if evictor is None or short > evictor.num_evictable:
+                raise OutOfBlocks(n, self.num_free, self.name, owner)
+            free += evictor.evict(short)
         blocks = free[-n:]
         del free[-n:]
         blocks.reverse()

@@ -155,8 +155,8 @@ class KVCacheManager:
         if cache is None or n == 0:
             return 0
         keys: list[int] = []
-        cache.extend_keys(keys, token_ids)
-        return len(cache.match(keys, token_ids, (n - 1) // self.block_size)) * self.block_size
+        chunks = cache.extend_keys(keys, token_ids)
+        return len(cache.match(keys, chunks, (n - 1) // self.block_size)) * self.block_size
 
     def allocate(self, seq_id: Hashable, token_ids: Sequence[int], *,
                  prompt_len: int | None = None) -> int:
@@ -180,15 +180,16 @@ class KVCacheManager:
             blocks = self.gpu.allocate(num_blocks, owner=seq_id)
         else:
             keys = []
-            cache.extend_keys(keys, tokens)
-            hits = cache.match(keys, tokens, (n - 1) // bs)
-            # Reviving a parked hit uses up free capacity just as a fresh block does.
-            needed = num_blocks - len(hits) + sum(self.gpu.refcount(b) == 0 for b in hits)
-            if needed > self.gpu.num_free:
-                raise OutOfBlocks(needed, self.gpu.num_free, self.gpu.name, seq_id)
+            chunks = cache.extend_keys(keys, tokens)
+            hits = cache.match(keys, chunks, (n - 1) // bs)
+            free = self.gpu.num_free
+            if num_blocks > free:  # then count exactly: a parked hit uses up free capacity too
+                needed = num_blocks - len(hits) + sum(self.gpu.refcount(b) == 0 for b in hits)
+                if needed > free:
+                    raise OutOfBlocks(needed, free, self.gpu.name, seq_id)
             cache.acquire(hits)  # before allocating, so evicting cannot take them
             blocks = hits + self.gpu.allocate(num_blocks - len(hits), owner=seq_id)
-            cache.insert(blocks, keys, tokens, len(hits))
+            cache.insert(blocks, keys, chunks[len(hits):], len(hits))
         self._running[seq_id] = BlockTable(seq_id, bs, blocks, tokens, keys)
         cached = len(hits) * bs
         self._prompt_tokens += n if prompt_len is None else prompt_len
@@ -203,21 +204,35 @@ class KVCacheManager:
         A shared, partly filled last block is copied first; the pair goes to
         :meth:`take_copies`. :class:`OutOfBlocks` leaves the sequence as it was.
         """
-        table = self._running.get(seq_id) or self._table(seq_id)  # the latter raises
-        if not len(token_ids):
-            raise ValueError(f"sequence {seq_id!r}: append needs at least one token")
-        num_full, num_blocks = len(table.token_ids) // self.block_size, len(table.blocks)
-        copy = table.append(token_ids, self.gpu)
-        if copy is not None:
-            self._copies.append(copy)
-        cache = self.prefix_cache
-        if cache is not None and len(table.token_ids) // self.block_size > num_full:
-            cache.extend_keys(table.keys, table.token_ids)
-            cache.insert(table.blocks, table.keys, table.token_ids, num_full)
-        if self.events is not None:
+        try:
+            table = self._running[seq_id]
+        except KeyError:
+            table = self._table(seq_id)  # raises, saying why
+        tokens, bs = table.token_ids, self.block_size
+        n, num_new = len(tokens), len(token_ids)
+        room = -n % bs  # free slots in the last block
+        if 0 < num_new <= room and self.gpu.refcount(table.blocks[-1]) == 1 and (
+                self.events is None):
+            tokens += token_ids  # most decode steps: room in the last block, ours alone
+            if num_new < room:
+                return  # and no block filled
+        elif room == 0 and num_new and self.events is None:  # a full last block: nothing to copy
+            table.blocks += self.gpu.allocate(-(-num_new // bs), owner=seq_id)
+            tokens += token_ids
+        else:
+            if not num_new:
+                raise ValueError(f"sequence {seq_id!r}: append needs at least one token")
+            num_blocks = len(table.blocks)
+            copy = table.append(token_ids, self.gpu)
             if copy is not None:
-                self._record("cow", seq_id, pairs=(copy,))
-            self._record("append", seq_id, table.blocks[num_blocks:], num_tokens=len(token_ids))
+                self._copies.append(copy)
+            if self.events is not None:
+                if copy is not None:
+                    self._record("cow", seq_id, pairs=(copy,))
+                self._record("append", seq_id, table.blocks[num_blocks:], num_tokens=num_new)
+        cache = self.prefix_cache
+        if cache is not None and (n + num_new) // bs > n // bs:  # blocks filled: cache them
+            cache.insert(table.blocks, table.keys, cache.extend_keys(table.keys, tokens), n // bs)
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         """Start ``child_id`` as a copy of ``parent_id`` that shares all its blocks (no copy)."""
@@ -237,11 +252,10 @@ class KVCacheManager:
         else:
             raise self._unknown(seq_id)
         table = tables[seq_id]
-        released = table.blocks[::-1]
+        if self.events is not None:
+            self._record("free", seq_id, table.blocks[::-1])
         table.free(pool)
         del tables[seq_id]
-        if self.events is not None:
-            self._record("free", seq_id, released)
 
     def grow(self, num_gpu_blocks: int) -> None:
         """Add GPU blocks, keeping every sequence, every cached prefix and every block id."""
@@ -291,7 +305,8 @@ class KVCacheManager:
         if self.prefix_cache is not None:  # the copies hold full blocks worth caching again
             for seq_id in seq_ids:
                 table = self._running[seq_id]
-                self.prefix_cache.insert(table.blocks, table.keys, table.token_ids, 0)
+                chunks = self.prefix_cache.extend_keys([], table.token_ids)  # block by block
+                self.prefix_cache.insert(table.blocks, table.keys, chunks, 0)
         return pairs
 
     def is_swapped(self, seq_id: Hashable) -> bool:

@@ -61,26 +61,32 @@ class PrefixCache:
         """Parked blocks: cached, no users, reclaimable."""
         return len(self._parked)
 
-    def extend_keys(self, keys: list[int], token_ids: Sequence[int]) -> None:
-        """Append to ``keys`` the keys of ``token_ids``' full blocks that it lacks."""
-        bs = self.block_size
+    def extend_keys(self, keys: list[int], token_ids: Sequence[int]) -> list[tuple[int, ...]]:
+        """Append to ``keys`` the keys of ``token_ids``' full blocks that it lacks; return
+        those blocks' tokens (for :meth:`match` and :meth:`insert`, so each is sliced once)."""
+        bs, chunks = self.block_size, []
         key = keys[-1] if keys else None
         for start in range(len(keys) * bs, len(token_ids) - bs + 1, bs):
-            key = block_key(key, tuple(token_ids[start : start + bs]))
+            chunk = tuple(token_ids[start : start + bs])
+            key = block_key(key, chunk)
             keys.append(key)
+            chunks.append(chunk)
+        return chunks
 
-    def match(self, keys: Sequence[int], token_ids: Sequence[int], max_blocks: int) -> list[int]:
-        """Cached blocks holding the longest prefix of ``token_ids`` (at most ``max_blocks``).
+    def match(self, keys: Sequence[int], chunks: Sequence[tuple[int, ...]],
+              max_blocks: int) -> list[int]:
+        """Cached blocks holding the longest prefix of a prompt (at most ``max_blocks``), given
+        its full blocks' keys and tokens (``chunks``, from :meth:`extend_keys`).
 
         Read-only: the caller decides whether to take them (:meth:`acquire`).
         """
-        bs, hits, parent = self.block_size, [], None
+        hits, parent = [], None
         for i in range(min(max_blocks, len(keys))):
             block = self._block_of.get(keys[i])
             if block is None:
                 break
             _, block_parent, tokens = self._entry[block]
-            if block_parent != parent or tokens != tuple(token_ids[i * bs : (i + 1) * bs]):
+            if block_parent != parent or tokens != chunks[i]:
                 break  # a hash collision: same key, different prefix
             hits.append(block)
             parent = block
@@ -88,28 +94,32 @@ class PrefixCache:
 
     def acquire(self, blocks: Sequence[int]) -> None:
         """Add a user to each matched block: share it if in use, take it back if parked."""
+        in_use = []
         for block in blocks:
             if block in self._parked:
                 del self._parked[block]
                 self.allocator.revive(block)
             else:
-                self.allocator.share((block,))
+                in_use.append(block)
+        self.allocator.share(in_use)
 
-    def insert(self, blocks: Sequence[int], keys: Sequence[int], token_ids: Sequence[int],
-               start: int) -> None:
-        """Cache a table's full blocks ``blocks[start:len(keys)]``.
+    def insert(self, blocks: Sequence[int], keys: Sequence[int],
+               chunks: Sequence[tuple[int, ...]], start: int) -> None:
+        """Cache a table's full blocks ``blocks[start:len(keys)]``; ``chunks`` holds their
+        tokens (``chunks[0]`` is block ``start``'s).
 
         A block is cached only if its parent is (so lookups reach it) and no other block holds
         its key already (the first copy of a prefix wins; a duplicate stays private).
         """
-        bs, entry, block_of = self.block_size, self._entry, self._block_of
-        for i in range(start, len(keys)):
-            parent = blocks[i - 1] if i else None
-            if (parent is not None and parent not in entry) or keys[i] in block_of:
+        entry, block_of, pending = self._entry, self._block_of, self._pending
+        parent = blocks[start - 1] if start else None
+        for block, key, tokens in zip(blocks[start:], keys[start:], chunks):
+            if (parent is not None and parent not in entry) or key in block_of:
                 return  # nor can any later block, whose parent this one is
-            block_of[keys[i]] = blocks[i]
-            entry[blocks[i]] = (keys[i], parent, tuple(token_ids[i * bs : (i + 1) * bs]))
-            self._pending.append(blocks[i])
+            block_of[key] = block
+            entry[block] = (key, parent, tokens)
+            pending.append(block)
+            parent = block
 
     def commit(self) -> None:
         """The keys and values of every block cached so far are written: keep them."""

@@ -35,8 +35,8 @@ class Reference:
         if cache is None:
             return 0, 0
         keys = []
-        cache.extend_keys(keys, tokens)
-        blocks = cache.match(keys, tokens, (len(tokens) - 1) // bs)
+        chunks = cache.extend_keys(keys, tokens)
+        blocks = cache.match(keys, chunks, (len(tokens) - 1) // bs)
         return bs * len(blocks), sum(self.kv.gpu.refcount(b) == 0 for b in blocks)
 
     def _recompute(self, rid):
