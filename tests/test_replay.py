@@ -19,6 +19,7 @@ from pagedlab.sim.calibration import (
     profile,
 )
 from pagedlab.sim.replay import capacity, errors, percentiles, predict, replay
+from pagedlab.sim.simulator import PagedConfig, simulate_paged
 from pagedlab.sim.traces import Request
 
 STEP = 1.0  # fake seconds per step
@@ -175,6 +176,9 @@ def test_fitted_model_prices_steps_and_swaps_as_a_cost_model_does():
     assert fit.swap_time(3, 16) == pytest.approx(3 * 16 * 1000 / 1e6)
     with pytest.raises(ValueError, match="num_gpu_blocks"):
         fit.kv_capacity_tokens()
+    # the simulator takes it with its default scheduler (no model context: the default budget)
+    run = simulate_paged([Request(0, 0.0, 5, 3)], fit, PagedConfig(num_gpu_blocks=8))
+    assert run.finish[0] == pytest.approx(fit.step_time([5]) + 2 * fit.step_time((), [6]))
     with pytest.raises(ValueError, match="unknown feature.*'bogus'"):
         fit_cost_model([], ("bogus",), kv_bytes_per_token=1, swap_bandwidth=1.0)
     with pytest.raises(ValueError, match="2 steps cannot fit 4 constants"):

@@ -102,6 +102,7 @@ class FittedCostModel:
     swap_bandwidth: float
     residuals: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
     measured: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)
+    max_context: int | None = None  # unknown: the simulator keeps the default token budget
 
     def step_time(self, prefill_lens: Sequence[int] = (), decode_lens: Sequence[int] = (),
                   block_size: int | None = None, prefill_starts: Sequence[int] = ()) -> float:

@@ -92,6 +92,11 @@ class CostModel:
     def kv_bytes_per_token(self) -> int:
         return self._kv_token_bytes
 
+    @property
+    def max_context(self) -> int | None:
+        """The model's longest sequence, if known: the unchunked token budget's floor."""
+        return self.model.max_context
+
     def kv_read_tokens(self, context_len: int, block_size: int | None) -> int:
         """Tokens' worth of KV one sequence's attention reads: whole blocks, each at least a
         tile; ``block_size=None`` (contiguous cache) reads exactly ``context_len``."""

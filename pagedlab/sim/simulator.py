@@ -112,8 +112,8 @@ def simulate_paged(
     block_bytes = bs * cost.kv_bytes_per_token
     manager = KVCacheManager(num_gpu_blocks, bs, int(config.swap_space_gib * 2**30 // block_bytes))
     sched_config = config.scheduler
-    if sched_config.max_model_len is None and cost.model.max_context:
-        sched_config = replace(sched_config, max_model_len=cost.model.max_context)
+    if sched_config.max_model_len is None and cost.max_context:
+        sched_config = replace(sched_config, max_model_len=cost.max_context)
     scheduler = scheduler_class(manager, sched_config)
     executor = SimExecutor(cost, bs)
     params = {r.id: SamplingParams(n=config.n, max_tokens=r.output_len, ignore_eos=True)
@@ -179,7 +179,7 @@ def simulate_system(system: str, requests: list[Request], cost: CostModel, **pag
     Requests are clipped to the model's context. ``paged`` holds :class:`PagedConfig` fields
     for the paged system; the baselines share its ``gpu_memory_utilization``.
     """
-    max_len = cost.model.max_context or 2048
+    max_len = cost.max_context or 2048
     requests = clip_to_context(requests, max_len)
     config = PagedConfig(**paged)
     if system == "paged":
