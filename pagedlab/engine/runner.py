@@ -12,6 +12,8 @@ in the model's dtype.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import Tensor
 
@@ -149,16 +151,15 @@ class ModelRunner:
             return tensor([t + [0] * (width - len(t)) for t in tables], torch.int32).view(
                 len(tables), width)
 
-        ids, positions, slots, starts, last = [], [], [], [], []
+        ids, positions, slots, last = [], [], [], []
         for chunk in step.chunks:  # prefill chunks, then decodes
-            starts.append(len(ids))
             ids += chunk.token_ids
             positions += range(chunk.start, chunk.context_len)
             slots += chunk.slots
             if chunk.samples:
                 last.append(len(ids) - 1)
         prefill_tables = padded([c.block_table for c in step.prefills])
-        starts = starts[: len(step.prefills)] + [len(ids) - len(step.decodes)]
+        starts = [0, *itertools.accumulate(c.num_tokens for c in step.prefills)]  # rows
         prefills = [Prefill(starts[i], starts[i + 1], c.start, prefill_tables[i])
                     for i, c in enumerate(step.prefills)]
         batch = ForwardBatch(

@@ -151,12 +151,9 @@ class KVCacheManager:
     def cached_prefix(self, token_ids: Sequence[int]) -> int:
         """Tokens of a prompt that :meth:`allocate` would serve from the prefix cache now
         (0 without prefix caching). Read-only: a scheduler sizes a first chunk with it."""
-        cache, n = self.prefix_cache, len(token_ids)
-        if cache is None or n == 0:
+        if self.prefix_cache is None or not len(token_ids):
             return 0
-        keys: list[int] = []
-        chunks = cache.extend_keys(keys, token_ids)
-        return len(cache.match(keys, chunks, (n - 1) // self.block_size)) * self.block_size
+        return len(self._lookup(token_ids)[2]) * self.block_size
 
     def allocate(self, seq_id: Hashable, token_ids: Sequence[int], *,
                  prompt_len: int | None = None) -> int:
@@ -179,9 +176,7 @@ class KVCacheManager:
             keys, hits = None, []
             blocks = self.gpu.allocate(num_blocks, owner=seq_id)
         else:
-            keys = []
-            chunks = cache.extend_keys(keys, tokens)
-            hits = cache.match(keys, chunks, (n - 1) // bs)
+            keys, chunks, hits = self._lookup(tokens)
             free = self.gpu.num_free
             if num_blocks > free:  # then count exactly: a parked hit uses up free capacity too
                 needed = num_blocks - len(hits) + sum(self.gpu.refcount(b) == 0 for b in hits)
@@ -407,6 +402,14 @@ class KVCacheManager:
                         )
 
     # --- helpers ----------------------------------------------------------------------------
+
+    def _lookup(self, tokens: Sequence[int]) -> tuple[list[int], list[tuple[int, ...]], list[int]]:
+        """A prompt's full-block keys and tokens, and its cached blocks (one token always left
+        to compute, for its logits)."""
+        keys: list[int] = []
+        chunks = self.prefix_cache.extend_keys(keys, tokens)
+        hits = self.prefix_cache.match(keys, chunks, (len(tokens) - 1) // self.block_size)
+        return keys, chunks, hits
 
     def _table(self, seq_id: Hashable) -> BlockTable:
         """The running table of ``seq_id``, or an error saying why there is none."""

@@ -23,6 +23,7 @@ from typing import NamedTuple
 import numpy as np
 
 from pagedlab._checks import check_positive
+from pagedlab.sim.cost_model import prefill_pairs
 
 FEATURES = ("decode_seqs", "prefill_tokens", "kv_tokens_read", "attention_pairs", "prefill_seqs")
 DEFAULT_FEATURES = ("decode_seqs", "prefill_tokens", "kv_tokens_read")
@@ -45,15 +46,15 @@ def step_shape(step) -> StepShape:
 
 def features(prefill_lens: Sequence[int], decode_lens: Sequence[int],
              prefill_starts: Sequence[int] = ()) -> dict[str, int]:
-    """Each of :data:`FEATURES` for one step. A prefill of ``n`` tokens after ``s`` cached
-    ones reads ``s`` cached tokens and computes ``n*s + n(n+1)/2`` causal attention pairs;
-    a decode reads its whole context."""
+    """Each of :data:`FEATURES` for one step. A prefill chunk after ``s`` cached tokens reads
+    those ``s`` (its attention pairs: :func:`~pagedlab.sim.cost_model.prefill_pairs`); a decode
+    reads its whole context."""
     starts = prefill_starts or (0,) * len(prefill_lens)
     return {
         "decode_seqs": len(decode_lens),
         "prefill_tokens": sum(prefill_lens),
         "kv_tokens_read": sum(starts) + sum(decode_lens),
-        "attention_pairs": sum(n * s + n * (n + 1) // 2 for n, s in zip(prefill_lens, starts)),
+        "attention_pairs": prefill_pairs(prefill_lens, starts),
         "prefill_seqs": len(prefill_lens),
     }
 

@@ -29,6 +29,12 @@ from pagedlab.footprint import (
 from pagedlab.hardware import GPU, get_gpu
 
 
+def prefill_pairs(prefill_lens: Sequence[int], prefill_starts: Sequence[int]) -> int:
+    """Causal (query, key) pairs of prompt chunks: a chunk of ``n`` tokens after ``s`` cached
+    ones has its i-th token see the prefix and the chunk up to itself, ``n*s + n(n+1)/2``."""
+    return sum(n * s + n * (n + 1) // 2 for n, s in zip(prefill_lens, prefill_starts))
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Seconds per step and per swap for ``model`` on ``num_gpus`` ``gpu`` s (tensor parallel).
@@ -120,9 +126,7 @@ class CostModel:
         starts = prefill_starts or [0] * len(prefill_lens)
         prefill_tokens = sum(prefill_lens)
         tokens = prefill_tokens + len(decode_lens)
-        # causal: a chunk's i-th token sees the cached prefix and the chunk up to itself
-        pairs = sum(n * s + n * (n + 1) // 2 for n, s in zip(prefill_lens, starts))
-        pairs += sum(decode_lens)
+        pairs = prefill_pairs(prefill_lens, starts) + sum(decode_lens)
         contexts = [*decode_lens, *(s for s in starts if s)]  # cached keys attention reads
         if block_size is None:
             read = sum(contexts)
