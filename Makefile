@@ -29,9 +29,11 @@ notebooks: $(READY)
 
 # Mutation testing of the allocator, the scheduler and the simulator (not part of `make test`:
 # it takes an hour or more on 2 cores). Config in pyproject.toml; results in tests/MUTATION.md.
+# One torch thread: mutmut forks each mutant's run from a process that has run torch, and a
+# fork taken while torch's thread pool is up deadlocks (mutmut would count it a timeout).
 mutation: $(READY)
 	$(BIN)/python -c "import mutmut" 2>/dev/null || $(BIN)/python -m pip install -q -e ".[mutation]"
-	nice -n 10 $(BIN)/mutmut run --max-children 2
+	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 nice -n 10 $(BIN)/mutmut run --max-children 2
 	$(BIN)/mutmut results
 
 clean:

@@ -84,6 +84,61 @@ def test_eviction_without_a_listener():
     mgr.check_invariants()
 
 
+def forked_pair():
+    """A manager (blocks of 2, prefix caching) where "a" holds 5 tokens and "b" forks it."""
+    mgr = KVCacheManager(8, 2, 4, enable_prefix_caching=True)
+    mgr.allocate("a", [1, 2, 3, 4, 5])
+    mgr.fork("a", "b")
+    mgr.check_invariants()
+    return mgr, mgr._running["a"], mgr._running["b"]
+
+
+def doubled(mgr, a):
+    """"a" lists its first block twice, with refcounts to match the entries."""
+    first, second = a.blocks[:2]
+    a.blocks[1] = first
+    mgr.gpu._refs[first], mgr.gpu._refs[second] = 3, 1
+
+
+def emptied(mgr, a):
+    """"a" holds no tokens and no blocks (an empty table is never valid)."""
+    for block in a.blocks:
+        mgr.gpu._refs[block] = 1
+    a.blocks, a.token_ids, a.keys = [], [], []
+
+
+MANAGER_CORRUPTIONS = {
+    "a refcount too high": (lambda m, a, b: m.gpu._refs.__setitem__(a.blocks[0], 3),
+                            r"^block \d of pool 'gpu' has refcount 3 but 2 block-table entries$"),
+    "a cpu refcount": (lambda m, a, b: (m.swap_out("a", "b"),
+                                        m.cpu._refs.__setitem__(m._swapped["a"].blocks[0], 5)),
+                       r"^block \d of pool 'cpu' has refcount 5 but 2 block-table entries$"),
+    "tokens past the blocks": (lambda m, a, b: a.token_ids.extend([6, 7]),
+                               r"^sequence 'a': 7 tokens in blocks \[\d, \d, \d\]$"),
+    "no tokens": (lambda m, a, b: a.token_ids.clear(),
+                  r"^sequence 'a': 0 tokens in blocks \[\d, \d, \d\]$"),
+    "an empty table": (lambda m, a, b: emptied(m, a), r"^sequence 'a': 0 tokens in blocks \[\]$"),
+    "a block twice": (lambda m, a, b: doubled(m, a),
+                      r"^sequence 'a': 5 tokens in blocks \[(\d), \1, \d\]$"),
+    "a key missing": (lambda m, a, b: a.keys.pop(), r"^sequence 'a': 1 keys, 2 full blocks$"),
+    "sharers disagree": (lambda m, a, b: b.token_ids.__setitem__(4, 9),
+                         r"^block \d of pool 'gpu' holds different tokens for sequences 'a' "
+                         r"and 'b'$"),
+    "not what was cached": (lambda m, a, b: (a.token_ids.__setitem__(0, 9),
+                                             b.token_ids.__setitem__(0, 9)),
+                            r"^cached block \d does not hold 'a''s tokens$"),
+}
+
+
+@pytest.mark.parametrize("case", MANAGER_CORRUPTIONS)
+def test_the_managers_invariants_name_what_is_wrong(case):
+    mgr, a, b = forked_pair()
+    corrupt, message = MANAGER_CORRUPTIONS[case]
+    corrupt(mgr, a, b)
+    with pytest.raises(InvariantError, match=message):
+        mgr.check_invariants()
+
+
 def test_an_error_without_an_owner_says_a_request():
     assert str(OutOfBlocks(3, 1, "gpu")) == "a request needs 3 blocks, pool 'gpu' has 1 free"
 

@@ -285,3 +285,54 @@ def test_abort_all_finishes_every_sequence_as_aborted():
     assert all(s.finish_reason == "abort" for g in groups for s in g.seqs)
     assert all(g.status is GroupStatus.FINISHED for g in groups)
     assert sched.manager.num_used_blocks == 0 and not sched.has_unfinished
+
+
+def test_two_groups_swap_out_in_one_step_and_come_back_in_one_step():
+    sched = make(num_blocks=3, num_cpu_blocks=4, watermark=0.0, preemption_mode="swap")
+    add(sched, "a", 4, max_tokens=2)
+    add(sched, "b", 4, max_tokens=3)
+    add(sched, "c", 2, max_tokens=3)
+    run_step(sched)  # one block each, none free
+    # by hand: a's decode needs a fresh block: c, the latest, goes to the CPU (its decode fits
+    # its own block); then b needs one and only a runs: b goes too. a finishes this step.
+    out, done = run_step(sched)
+    assert out.stats.preempted == (("c", "swap"), ("b", "swap"))
+    assert len(out.swap_out) == out.stats.blocks_swapped_out == 2
+    assert out.stats.swapped == 2 and [g.request_id for g in done] == ["a"]
+    assert all(g.status is GroupStatus.SWAPPED for g in sched.swapped)
+    # three free blocks: b takes its block back and one to decode, c its block: both return
+    back, _ = run_step(sched)
+    assert back.stats.swapped_in == ("b", "c") and len(back.swap_in) == 2
+    assert back.stats.swapped == 0 and back.stats.preempted == ()
+    assert all(g.status is GroupStatus.RUNNING for g in sched.running)
+    assert sched.manager.num_free_blocks == 0
+
+
+def test_a_decode_may_take_the_last_free_block():
+    sched = make(num_blocks=3, watermark=0.0)
+    add(sched, "a", 4, max_tokens=3)
+    add(sched, "b", 2, max_tokens=3)
+    run_step(sched)  # a fills a block, b half of one: one block free
+    step, _ = run_step(sched)  # a needs exactly that block; b, behind it, keeps its own
+    assert step.stats.preempted == () and step.stats.decode_seqs == 2
+    assert sched.manager.num_free_blocks == 0
+
+
+def test_a_request_as_wide_as_max_num_seqs_runs():
+    sched = make(num_blocks=8, watermark=0.0, max_num_seqs=3)
+    group = add(sched, "w", 4, max_tokens=2, n=3)
+    while sched.has_unfinished:
+        run_step(sched)
+    assert [len(s.output_token_ids) for s in group.seqs] == [2, 2, 2]
+
+
+def test_prefix_hits_are_neither_computed_nor_counted_as_prefill():
+    sched = Scheduler(KVCacheManager(8, 4, enable_prefix_caching=True),
+                      SchedulerConfig(watermark=0.0))
+    add(sched, "a", 9, max_tokens=1)
+    first, _ = run_step(sched)
+    add(sched, "b", 9, max_tokens=1)  # the same prompt: its two full blocks are cached
+    second, _ = run_step(sched)
+    assert (first.stats.prefill_tokens, first.stats.kv_tokens_read) == (9, 0)
+    assert (second.stats.prefill_tokens, second.stats.kv_tokens_read) == (1, 8)
+    assert [(c.start, c.num_tokens) for c in second.prefills] == [(8, 1)]
