@@ -143,6 +143,49 @@ def test_an_error_without_an_owner_says_a_request():
     assert str(OutOfBlocks(3, 1, "gpu")) == "a request needs 3 blocks, pool 'gpu' has 1 free"
 
 
+def test_a_pool_grows_but_never_shrinks():
+    allocator = BlockAllocator(2)
+    allocator.grow(2)  # the same size: nothing changes
+    assert allocator.num_blocks == 2 and allocator.num_free == 2
+    allocator.grow(3)
+    assert allocator.allocate(3) == [0, 1, 2]  # the new block is handed out last
+    for size, message in ((2, r"^pool 'gpu' can only grow: 2 < 3$"),
+                          (2.5, r"^num_blocks=2.5 must be an integer"),
+                          (0, r"^num_blocks=0 must be > 0")):
+        with pytest.raises(ValueError, match=message):
+            allocator.grow(size)
+    assert allocator.num_blocks == 3
+
+
+def test_only_a_parked_block_can_be_unparked():
+    allocator = BlockAllocator(3)
+    (used,) = allocator.allocate(1)
+    for block in (used, 1, 3, -1):  # in use, free, past the pool, before it
+        with pytest.raises(StateError, match=rf"^block {block} of pool 'gpu' is not parked; "
+                                             "cannot free it$"):
+            allocator.unpark([block])
+    assert allocator.num_free == 2
+    allocator.check_invariants()
+
+
+def test_a_rollback_forgets_blocks_evicted_and_recached_in_the_same_step():
+    """Blocks of 2, three of them: "a" caches p and q, then parks them; "b" caches r; "c"
+    evicts q and caches it again under its own tokens. Rolling the step back forgets every
+    entry (q's first one is already gone) and frees the parked p."""
+    mgr = KVCacheManager(3, 2, enable_prefix_caching=True)
+    mgr.allocate("a", [1, 2, 3, 4])
+    mgr.free("a")  # p and q parked, q (the tail) first in line for eviction
+    mgr.allocate("b", [5, 6])  # r, the free block
+    mgr.allocate("c", [7, 8])  # evicts q
+    assert mgr.prefix_stats.evictions == 1
+    free = mgr.num_free_blocks
+    mgr.rollback()
+    mgr.check_invariants()
+    for prompt in ([1, 2, 3, 4, 9], [5, 6, 9], [7, 8, 9]):
+        assert mgr.cached_prefix(prompt) == 0
+    assert mgr.num_free_blocks == free  # p, parked before, is free now: as much room
+
+
 def test_only_a_parked_block_can_be_revived():
     allocator = BlockAllocator(2)
     for block in (2, -1):  # past the pool, before it

@@ -76,7 +76,8 @@ def test_requests_that_can_never_run_are_named():
     # 4 blocks, watermark 1: a 12-token prompt (3 blocks) fits, 13 tokens (4 blocks) never does
     add(sched, "ok", 12)
     with pytest.raises(CacheTooSmall, match=r"request 'big': its prompt of 13 tokens needs 4 "
-                       r"blocks of 4 tokens, but admission can use at most 3 \(4 blocks, 1 kept"):
+                       r"blocks of 4 tokens, but admission can use at most 3 \(4 blocks, 1 kept "
+                       r"free as the watermark\)$"):
         add(sched, "big", 13)
     assert [g.request_id for g in sched.waiting] == ["ok"]
 
@@ -247,8 +248,9 @@ def test_a_group_alone_that_cannot_grow_fails_alone_and_frees_its_blocks():
     (failed,) = step.failed
     assert failed.request_id == "a" and failed.is_finished
     assert isinstance(failed.error, CacheTooSmall)
-    assert str(failed.error).startswith("request 'a' needs 3 blocks of 4 tokens to go on, "
-                                        "more than the cache's 2 (watermark 0)")
+    assert str(failed.error) == ("request 'a' needs 3 blocks of 4 tokens to go on; the cache "
+                                 "has 2, of which admission keeps 0 free: give it more blocks or "
+                                 "fewer tokens")
     assert failed.seqs[0].finish_reason == "error" and len(failed.seqs[0].output_token_ids) == 1
     assert [c.seq.seq_id for c in step.prefills] == [sched.unfinished["b"].seqs[0].seq_id]
     sched.abort_all()
@@ -336,3 +338,86 @@ def test_prefix_hits_are_neither_computed_nor_counted_as_prefill():
     assert (first.stats.prefill_tokens, first.stats.kv_tokens_read) == (9, 0)
     assert (second.stats.prefill_tokens, second.stats.kv_tokens_read) == (1, 8)
     assert [(c.start, c.num_tokens) for c in second.prefills] == [(8, 1)]
+
+
+@pytest.mark.parametrize("plen, prefills", [
+    # a prompt shorter than a block: nothing to share, each sample recomputes all its tokens
+    (2, [(0, 5), (0, 5)]),
+    # prompt of 5: the first sample recomputes all 9 tokens, the second forks the prompt's
+    # full block and computes from token 4 on (1 shared block + 2 each = all 5 blocks)
+    (5, [(0, 9), (4, 5)]),
+])
+def test_a_recomputed_pair_of_samples_computes_its_shared_prompt_once(plen, prefills):
+    sched = make(num_blocks=5, watermark=0.0)
+    add(sched, "x", 4, max_tokens=6)
+    add(sched, "f", plen, max_tokens=6, n=2)
+    steps = []
+    while sched.has_unfinished:
+        step, _ = run_step(sched)
+        steps.append(step)
+    # f, the latest, is preempted when x and its two samples need blocks; it comes back
+    # once x has finished, both samples at once in a step of their own
+    assert [s.stats.preempted for s in steps].count((("f", "recompute"),)) == 1
+    (back,) = [s for s in steps if len(s.prefills) == 2 and s.stats.step > 0]
+    assert [(c.start, c.num_tokens) for c in back.prefills] == prefills
+    assert back.stats.used_blocks == (4 if plen == 2 else 5)
+
+
+@pytest.mark.parametrize("budget, fails", [(None, True), (16, False)])
+def test_a_request_that_grew_into_the_watermark_comes_back_only_in_chunks(budget, fails):
+    """Decodes may use the watermark's blocks; admission may not. "b" grows to 33 tokens (9
+    blocks of 4) before "a" preempts it, and admission can use only 8 of the 10 blocks: whole,
+    or as a first chunk of 33 tokens, it can never come back, and fails alone once the cache
+    is idle; with a budget of 16 its first chunk takes 4 blocks and the rest follow."""
+    sched = make(num_blocks=10, watermark=0.2, max_num_seqs=2, max_num_batched_tokens=budget)
+    a = add(sched, "a", 1, max_tokens=12)
+    b = add(sched, "b", 28, max_tokens=12)  # 40 tokens at the end: the whole cache
+    failed, preempted = [], []
+    while sched.has_unfinished:
+        step, _ = run_step(sched)
+        failed += step.failed
+        preempted += [(g.request_id, len(g.seqs[0])) for g, _ in step.preempted]
+    assert preempted == [("b", 33)] and len(a.seqs[0].output_token_ids) == 12
+    if fails:
+        assert failed == [b] and b.seqs[0].finish_reason == "error"
+        assert str(b.error) == ("request 'b' needs 9 blocks of 4 tokens to go on; the cache has "
+                                "10, of which admission keeps 2 free: give it more blocks or "
+                                "fewer tokens")
+    else:
+        assert failed == [] and len(b.seqs[0].output_token_ids) == 12
+    assert sched.manager.num_used_blocks == 0
+
+
+def test_unchunked_a_request_that_grew_into_the_watermark_fails_alone():
+    sched = make(num_blocks=10, watermark=0.2, chunked_prefill=False)
+    add(sched, "a", 1, max_tokens=12)
+    b = add(sched, "b", 28, max_tokens=20)
+    while sched.has_unfinished:
+        run_step(sched)
+    assert str(b.error).startswith("request 'b' needs 9 blocks of 4 tokens")
+
+
+def test_only_an_unfinished_request_can_be_aborted():
+    sched = make(num_blocks=4, watermark=0.0)
+    group = add(sched, "a", 2, max_tokens=1)
+    run_step(sched)
+    with pytest.raises(ValueError, match=r"^request 'a' has already finished$"):
+        sched.abort(group)
+
+
+def test_abort_takes_one_request_off_its_queue_and_frees_its_blocks():
+    sched = make(num_blocks=3, num_cpu_blocks=4, watermark=0.0, preemption_mode="swap")
+    a, b, c = add(sched, "a", 4, max_tokens=3), add(sched, "b", 3), add(sched, "c", 4)
+    run_step(sched)
+    step, _ = run_step(sched)  # a needs a block (b does not): c goes to the CPU
+    assert step.stats.preempted == (("c", "swap"),)
+    add(sched, "d", 2)  # waits: nothing is admitted while c is swapped out
+    for group, queue in ((c, sched.swapped), (b, sched.running), (sched.waiting[0], sched.waiting)):
+        sched.abort(group)
+        assert group not in queue and group.status is GroupStatus.FINISHED
+        assert [s.finish_reason for s in group.seqs] == ["abort"]
+        assert group.request_id not in sched.unfinished
+    assert sched.manager.cpu.num_used == 0 and sched.manager.num_used_blocks == 2  # a's alone
+    while sched.has_unfinished:
+        run_step(sched)
+    assert len(a.seqs[0].output_token_ids) == 3 and sched.manager.num_used_blocks == 0

@@ -65,3 +65,14 @@ def test_knee_rates_are_one_knee_per_system_in_rate_order():
 def test_with_rate_names_a_bad_scale():
     with pytest.raises(ValueError, match="scale=0"):
         with_rate([], 0)
+
+
+def test_each_point_is_the_run_of_its_config():
+    configs = ({}, {"block_size": 128})
+    points = sweep(["paged"], "sharegpt", [6.0], COST, duration=20.0, configs=configs)
+    for point, paged in zip(points, configs):
+        res = simulate_system("paged", synthetic_requests("sharegpt", 120, rate=6.0), COST,
+                              **paged)
+        assert point == Point("paged", 6.0, paged, res.normalized_latency, res.throughput,
+                              res.mean_batch, res.preemptions)
+    assert points[0].mean_batch != points[1].mean_batch  # the config changed the run

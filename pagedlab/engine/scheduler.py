@@ -550,8 +550,8 @@ class Scheduler:
         m = self.manager
         return CacheTooSmall(
             f"request {group.request_id!r} needs {need} blocks of {m.block_size} tokens to go "
-            f"on, more than the cache's {m.num_gpu_blocks} (watermark {self.watermark_blocks}): "
-            "give it more blocks or fewer tokens"
+            f"on; the cache has {m.num_gpu_blocks}, of which admission keeps "
+            f"{self.watermark_blocks} free: give it more blocks or fewer tokens"
         )
 
     def _step_stats(self, step: Step) -> StepStats:
