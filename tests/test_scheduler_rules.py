@@ -421,3 +421,23 @@ def test_abort_takes_one_request_off_its_queue_and_frees_its_blocks():
     while sched.has_unfinished:
         run_step(sched)
     assert len(a.seqs[0].output_token_ids) == 3 and sched.manager.num_used_blocks == 0
+
+
+def test_after_a_recomputed_prompt_too_big_for_the_budget_nobody_is_admitted():
+    """A forked pair recomputed takes 14 tokens in one step, more than the budget of 8 (it
+    runs alone); the request waiting behind it starts in the next step, not with a chunk of
+    -6 tokens."""
+    sched = make(num_blocks=6, watermark=0.0, max_num_seqs=4, max_num_batched_tokens=8)
+    add(sched, "x", 4, max_tokens=8)
+    add(sched, "f", 5, max_tokens=8, n=2)
+    chunks = []
+    for i in range(12):
+        if i == 6:
+            add(sched, "h", 3, max_tokens=2)
+        step, _ = run_step(sched)
+        chunks.append([(c.seq.seq_id, c.start, c.num_tokens) for c in step.chunks])
+    # f (seq 1, forked as seq 2) is preempted in step 5 and comes back in step 8, once x has
+    # finished: seq 1 recomputes 9 tokens, seq 2 forks its prompt's full block and computes 5
+    assert chunks[8] == [(1, 0, 9), (2, 4, 5)]
+    assert chunks[9] == [(3, 0, 3), (1, 9, 1), (2, 9, 1)]  # h (seq 3) whole, then the decodes
+    assert not sched.has_unfinished and sched.manager.num_used_blocks == 0

@@ -7,8 +7,19 @@ import re
 import pytest
 
 from pagedlab.sim import synthetic_requests
+from pagedlab.sim.calibration import FittedCostModel
 from pagedlab.sim.cost_model import CostModel
-from pagedlab.sim.simulator import Point, knee_rate, knee_rates, simulate_system, sweep, with_rate
+from pagedlab.sim.simulator import (
+    PagedConfig,
+    Point,
+    knee_rate,
+    knee_rates,
+    simulate_paged,
+    simulate_system,
+    sweep,
+    with_rate,
+)
+from pagedlab.sim.traces import Request
 
 COST = CostModel("OPT-13B", "A100-40GB")
 
@@ -71,8 +82,25 @@ def test_each_point_is_the_run_of_its_config():
     configs = ({}, {"block_size": 128})
     points = sweep(["paged"], "sharegpt", [6.0], COST, duration=20.0, configs=configs)
     for point, paged in zip(points, configs):
-        res = simulate_system("paged", synthetic_requests("sharegpt", 120, rate=6.0), COST,
-                              **paged)
+        res = simulate_paged(synthetic_requests("sharegpt", 120, rate=6.0), COST,
+                             PagedConfig(**paged))
         assert point == Point("paged", 6.0, paged, res.normalized_latency, res.throughput,
                               res.mean_batch, res.preemptions)
     assert points[0].mean_batch != points[1].mean_batch  # the config changed the run
+
+
+def test_requests_are_clipped_to_the_models_context_or_2048():
+    """Outputs keep at most the context less one token: Llama-2-7B's context is 4096; a
+    fitted cost model knows none, and the simulator then assumes 2048."""
+    long = Request(0, 0.0, 100, 3000)
+    llama = CostModel("Llama-2-7B", "A100-80GB")
+    fitted = FittedCostModel(0.01, {"prefill_tokens": 1e-5}, kv_bytes_per_token=1,
+                             swap_bandwidth=1.0)
+    for cost, kept in ((llama, 3000), (fitted, 2047)):
+        res = simulate_system("paged", [long], cost, num_gpu_blocks=512)
+        assert list(res.output_len) == [kept]
+
+
+def test_an_unknown_system_is_named():
+    with pytest.raises(ValueError, match=r"^system='nope' must be one of \("):
+        simulate_system("nope", [Request(0, 0.0, 1, 1)], COST)

@@ -13,16 +13,18 @@ first come first served (:class:`~pagedlab.engine.policy.FCFS`) unless another i
    head of the waiting queue to prefill its prompt and generated tokens again) or by
    *swapping* (its blocks move to the CPU pool; a group still prefilling is recomputed).
 2. With chunked prefill (the default, as vLLM V1), every step has one token budget,
-   ``max_num_batched_tokens``: decodes take their token each first; running groups whose
-   prompt is partly prefilled then take their next chunk, as big as the budget and the free
-   blocks allow; new requests are admitted with a first chunk cut to what is left. A chunk
+   ``max_num_batched_tokens``: decodes take their token each first; a running group whose
+   prompt is partly prefilled (there is at most one) then takes its next chunk, as big as
+   the budget and the free blocks allow; new requests are admitted with a first chunk cut to
+   what is left. A chunk
    that ends its sequence's tokens samples the next one; the others only fill the cache.
    Blocks are allocated chunk by chunk, and prefix-cache hits are not computed at all.
    Without chunking (``chunked_prefill=False``: the paper's, vLLM V0's rule) a prompt is
    prefilled whole; one bigger than what is left of the budget waits, and one bigger than
    the whole budget runs in a step of its own.
 3. In a step that preempted nothing, swapped groups come back in the policy's order while
-   the GPU has room for their blocks and their next decode, above the watermark.
+   the GPU has room for their blocks and their next decode, above the watermark, and the
+   budget for their decodes' tokens.
 4. While any group is swapped out, or in a step that preempted, nothing is admitted.
    Otherwise waiting groups (under FCFS preempted ones first: they arrived earlier) are
    admitted in the policy's order, the first that does not fit stopping the queue, while
@@ -348,7 +350,7 @@ class Scheduler:
         """Decodes first, in the policy's order, preempting from the order's end when the
         blocks run out; then the next chunk of each group still prefilling."""
         queue = deque(ranked(self.config.policy, self.running))  # first served first
-        prefilling: deque[SequenceGroup] = deque()  # in the policy's order, for after decodes
+        prefilling = []  # in the policy's order, for after decodes
         self.running = []
         while queue:
             group = queue.popleft()
@@ -366,26 +368,23 @@ class Scheduler:
                 self.running.append(group)
                 self._fail(group, self._too_small(group, need + self.manager.num_used_blocks),
                            step)
-        while prefilling:
-            self._prefill_next(prefilling, step)
+        for group in prefilling:
+            self._prefill_next(group, step)
 
-    def _prefill_next(self, prefilling: deque[SequenceGroup], step: Step) -> None:
-        """The next chunk of the first group in ``prefilling``: as many of its tokens as the
-        budget and the free blocks allow (the policy's last gives way if none are free)."""
-        group = prefilling.popleft()
+    def _prefill_next(self, group: SequenceGroup, step: Step) -> None:
+        """The next chunk of a group still prefilling: as many of its tokens as the budget and
+        the free blocks allow, or none this step (it keeps its blocks).
+
+        It never has to evict anyone: at most one group is partly prefilled at a time
+        (admission cuts only a step's last chunk, and a continuing chunk takes the budget
+        before anyone is admitted), and its tokens fit the cache (a longer prompt is refused
+        by :meth:`add_request`; a recomputed sequence held all but its last token in fewer
+        blocks than the cache has).
+        """
         (seq,) = group.live
-        room = self._room(seq)
-        while not room and prefilling:
-            self._preempt(prefilling.pop(), step)
-            room = self._room(seq)
-        if not room and not self.running and step.is_empty:  # alone, and it cannot grow
-            self.running.append(group)
-            need = self.manager.num_used_blocks + 1
-            self._fail(group, self._too_small(group, need), step)
-            return
-        self.running.append(group)  # it keeps its blocks, with or without a chunk now
+        self.running.append(group)
         start = self.manager.num_tokens(seq.seq_id)
-        n = min(len(seq) - start, self._budget_left(step), room)
+        n = min(len(seq) - start, self._budget_left(step), self._room(seq))
         if n:
             self.manager.append(seq.seq_id, seq.token_ids[start : start + n])
             self._add_prefill(group, [Chunk.of(self.manager, seq, start, n)], step)
@@ -393,7 +392,8 @@ class Scheduler:
     def _schedule_swapped(self, step: Step) -> None:
         while self.swapped:
             group = self.swapped[0]
-            if not self._can_resume(group, group.blocks_to_swap_in):
+            if (not self._can_resume(group, group.blocks_to_swap_in)
+                    or len(group.live) > self._budget_left(step)):  # its decodes' tokens
                 return
             self.swapped.pop(0)
             step.swap_in += self.manager.swap_in(*(s.seq_id for s in group.live))
@@ -511,8 +511,9 @@ class Scheduler:
         return -self.manager.num_tokens(seq.seq_id) % bs + self.manager.num_free_blocks * bs
 
     def _budget_left(self, step: Step) -> int:
+        """Tokens the step can still take (none once a prefill too big for the budget ran)."""
         used = sum(c.num_tokens for c in step.prefills) + len(step.decodes)
-        return self.config.token_budget - used
+        return max(0, self.config.token_budget - used)
 
     def _blocks_to_decode(self, group: SequenceGroup) -> int:
         """GPU blocks that appending one token to each live sequence takes, exactly: a fresh
