@@ -197,6 +197,7 @@ def test_only_a_parked_block_can_be_revived():
     (lambda a: a._refs.__setitem__(2, -1), r"^block 2 of pool 'gpu' has refcount -1$"),
     (lambda a: a._free.append(a._free[-1]), r"^block 1 is twice on the free list of pool 'gpu'$"),
     (lambda a: a._free.append(4), r"^block 4 is on the free list of pool 'gpu' but in use$"),
+    (lambda a: a._free.pop(), r"^pool 'gpu': 3 blocks have no users but 2 are free and 0 parked$"),
 ])
 def test_the_allocators_invariants_name_the_block(corrupt, message):
     allocator = BlockAllocator(4)
@@ -359,3 +360,29 @@ def test_the_slot_map_counts_what_the_breakdown_says(make):
             assert slots.dtype == np.int8 and slots.shape == (kv.capacity,)
             counts = np.bincount(slots, minlength=len(CATEGORIES))
             assert dict(zip(CATEGORIES, counts.tolist())) == vars(kv.breakdown(w))
+
+
+def test_a_shared_full_last_block_is_not_copied_on_append():
+    mgr = KVCacheManager(2, 4)
+    mgr.allocate("a", [1, 2, 3, 4])
+    mgr.fork("a", "b")
+    assert mgr.can_append("b", 1)  # one free block is enough
+    mgr.append("b", [5])  # b's new token starts a block of its own: nothing to copy
+    assert mgr.take_copies() == [] and mgr.num_used_blocks == 2
+    assert mgr.block_table("b")[0] == mgr.block_table("a")[0]
+
+
+def test_swaps_are_recorded_per_sequence_with_their_pairs():
+    mgr = KVCacheManager(4, 2, 4, record_events=True)
+    mgr.allocate("a", [1, 2, 3])
+    mgr.fork("a", "b")
+    gpu = mgr.block_table("a")
+    out = dict(mgr.swap_out("a", "b"))  # the two shared blocks move once
+    back = dict(mgr.swap_in("a", "b"))
+    events = [e for e in mgr.events if e.kind.startswith("swap")]
+    assert [(e.kind, e.seq_id) for e in events] == [
+        ("swap_out", "a"), ("swap_out", "b"), ("swap_in", "a"), ("swap_in", "b")]
+    cpu = [out[b] for b in gpu]
+    assert all(e.blocks == tuple(cpu) and e.pairs == tuple(zip(gpu, cpu)) for e in events[:2])
+    new = [back[b] for b in cpu]
+    assert all(e.blocks == tuple(new) and e.pairs == tuple(zip(cpu, new)) for e in events[2:])

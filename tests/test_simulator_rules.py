@@ -6,12 +6,16 @@ import re
 
 import pytest
 
+from pagedlab.engine import BeamSearchParams, SamplingParams, Scheduler, SchedulerConfig
+from pagedlab.memory import KVCacheManager
 from pagedlab.sim import synthetic_requests
 from pagedlab.sim.calibration import FittedCostModel
 from pagedlab.sim.cost_model import CostModel
 from pagedlab.sim.simulator import (
+    TOKEN,
     PagedConfig,
     Point,
+    SimExecutor,
     knee_rate,
     knee_rates,
     simulate_paged,
@@ -104,3 +108,58 @@ def test_requests_are_clipped_to_the_models_context_or_2048():
 def test_an_unknown_system_is_named():
     with pytest.raises(ValueError, match=r"^system='nope' must be one of \("):
         simulate_system("nope", [Request(0, 0.0, 1, 1)], COST)
+
+
+# --- the executor: a step's time and placeholder tokens -----------------------------------
+
+
+def sim_scheduler(num_blocks=8, num_cpu_blocks=0, **config):
+    return Scheduler(KVCacheManager(num_blocks, 4, num_cpu_blocks),
+                     SchedulerConfig(watermark=0.0, **config))
+
+
+def test_the_executor_prices_a_chunk_after_its_cached_tokens():
+    sched = sim_scheduler(max_num_batched_tokens=4, max_num_seqs=4)
+    sched.add_request("a", list(range(1, 11)), SamplingParams(max_tokens=1))
+    executor = SimExecutor(COST, 4)
+    sched.update(executor.execute(sched.schedule()).outputs)  # tokens 0-3
+    step = sched.schedule()  # tokens 4-7, after 4 cached
+    run = executor.execute(step)
+    assert run.seconds == COST.step_time([4], [], 4, prefill_starts=[4])
+    assert run.seconds > COST.step_time([4], [], 4)  # re-reading the cached 4 costs time
+    assert run.swap_seconds == 0.0 and run.kv_tokens == 8 and run.outputs == []
+
+
+def test_the_executor_prices_swaps_and_samples_placeholders_for_each_sample():
+    sched = sim_scheduler(num_blocks=4, num_cpu_blocks=4, preemption_mode="swap")
+    a = sched.add_request("a", [1, 2, 3, 4], SamplingParams(max_tokens=6))
+    b = sched.add_request("b", [5, 6, 7], SamplingParams(n=2, max_tokens=3))
+    executor = SimExecutor(COST, 4)
+    first = executor.execute(sched.schedule())
+    # the prompts' step: a placeholder, certain (log 1 = 0), for a; b's one sequence is the
+    # parent of both its samples
+    assert [(c.parent.seq_id, c.token, c.logprob) for out in first.outputs
+            for c in out.children] == [(0, TOKEN, 0.0), (1, TOKEN, 0.0), (1, TOKEN, 0.0)]
+    sched.update(first.outputs)
+    swaps = []
+    while sched.has_unfinished:
+        step = sched.schedule()
+        run = executor.execute(step)
+        moved = len(step.swap_out) + len(step.swap_in)
+        assert run.swap_seconds == (COST.swap_time(moved, 4) if moved else 0.0)
+        swaps += [moved] if moved else []
+        for out in run.outputs:  # then each live sample gets a placeholder of its own
+            assert [c.parent for c in out.children] == out.group.live
+        sched.update(run.outputs)
+    # b's two samples each need a block in the third step: b goes to the CPU, and comes back
+    # when a has finished
+    assert swaps == [2, 2]
+    assert [len(s.output_token_ids) for s in a.seqs + b.seqs] == [6, 3, 3]
+
+
+def test_the_simulator_cannot_rank_beams():
+    sched = sim_scheduler()
+    sched.add_request("beams", [1, 2, 3], BeamSearchParams(beam_width=2, max_tokens=2))
+    with pytest.raises(ValueError, match=r"^request 'beams': the simulator samples placeholder "
+                                         r"tokens and cannot rank beams$"):
+        SimExecutor(COST, 4).execute(sched.schedule())
