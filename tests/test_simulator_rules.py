@@ -163,3 +163,10 @@ def test_the_simulator_cannot_rank_beams():
     with pytest.raises(ValueError, match=r"^request 'beams': the simulator samples placeholder "
                                          r"tokens and cannot rank beams$"):
         SimExecutor(COST, 4).execute(sched.schedule())
+
+
+@pytest.mark.parametrize("block_size, message", [
+    (0, r"^block_size=0 must be > 0"), (2.5, r"^block_size=2.5 must be an integer")])
+def test_a_bad_block_size_is_named_before_the_cache_is_sized(block_size, message):
+    with pytest.raises(ValueError, match=message):
+        simulate_paged([Request(0, 0.0, 1, 1)], COST, PagedConfig(block_size=block_size))
