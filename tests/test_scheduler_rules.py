@@ -441,3 +441,19 @@ def test_after_a_recomputed_prompt_too_big_for_the_budget_nobody_is_admitted():
     assert chunks[8] == [(1, 0, 9), (2, 4, 5)]
     assert chunks[9] == [(3, 0, 3), (1, 9, 1), (2, 9, 1)]  # h (seq 3) whole, then the decodes
     assert not sched.has_unfinished and sched.manager.num_used_blocks == 0
+
+
+def test_a_stop_check_ends_the_sequence_it_reads_with_the_string_it_found():
+    """The engine sets ``stop_check`` for stop strings: it reads the sequence after each token
+    and returns the string that ended it, or None."""
+    sched = make(num_blocks=8, watermark=0.0)
+    group = add(sched, "a", 2, max_tokens=10, n=2)
+    group.stop_check = lambda seq: "halt" if seq.index == 1 and len(seq.output_token_ids) == 2 \
+        else None
+    while sched.has_unfinished:
+        run_step(sched)
+    stopped, ran = sorted(group.seqs, key=lambda s: s.index, reverse=True)
+    assert (stopped.finish_reason, stopped.stop_reason, len(stopped.output_token_ids)) == (
+        "stop", "halt", 2)
+    assert (ran.finish_reason, ran.stop_reason, len(ran.output_token_ids)) == ("length", None, 10)
+    assert sched.manager.num_used_blocks == 0
