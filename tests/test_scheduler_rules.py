@@ -457,3 +457,15 @@ def test_a_stop_check_ends_the_sequence_it_reads_with_the_string_it_found():
         "stop", "halt", 2)
     assert (ran.finish_reason, ran.stop_reason, len(ran.output_token_ids)) == ("length", None, 10)
     assert sched.manager.num_used_blocks == 0
+
+
+def test_a_sequence_stops_at_the_models_length_and_its_times_are_in_order():
+    sched = make(num_blocks=8, watermark=0.0)
+    group = add(sched, "a", 5, max_tokens=10)
+    group.max_len = 8  # the engine's max_model_len: 5 prompt tokens leave room for 3 more
+    while sched.has_unfinished:
+        run_step(sched)
+    (seq,) = group.seqs
+    assert (seq.finish_reason, len(seq.output_token_ids), len(seq)) == ("length", 3, 8)
+    m = group.metrics
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
