@@ -469,3 +469,13 @@ def test_a_sequence_stops_at_the_models_length_and_its_times_are_in_order():
     assert (seq.finish_reason, len(seq.output_token_ids), len(seq)) == ("length", 3, 8)
     m = group.metrics
     assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+
+
+def test_three_samples_on_a_half_block_need_two_copies_not_one():
+    sched = make(num_blocks=3, watermark=0.0)
+    group = add(sched, "a", 6, max_tokens=3, n=3)
+    run_step(sched)  # the prompt: a full block and a half one, shared by three samples
+    step = sched.schedule()  # two of them copy the half block; one block is free
+    assert step.failed == [group] and str(group.error).startswith(
+        "request 'a' needs 4 blocks of 4 tokens to go on; the cache has 3")
+    assert sched.manager.num_used_blocks == 0
