@@ -4,6 +4,7 @@ to kill the mutants that survived the other tests: tests/MUTATION.md)."""
 import pytest
 
 from pagedlab.engine import (
+    BeamSearchParams,
     CacheTooSmall,
     GroupOutput,
     GroupStatus,
@@ -478,4 +479,23 @@ def test_three_samples_on_a_half_block_need_two_copies_not_one():
     step = sched.schedule()  # two of them copy the half block; one block is free
     assert step.failed == [group] and str(group.error).startswith(
         "request 'a' needs 4 blocks of 4 tokens to go on; the cache has 3")
+    assert sched.manager.num_used_blocks == 0
+
+
+def test_beams_forked_from_two_parents_copy_both_half_blocks():
+    """Two beams, each forked again: two half blocks, each shared by two beams, need one copy
+    each. With one block free, the group cannot go on (alone, it fails)."""
+    sched = make(num_blocks=4, watermark=0.0)
+    group = sched.add_request("b", list(range(1, 7)), BeamSearchParams(beam_width=4, max_tokens=5))
+    step = sched.schedule()  # 6 tokens: a full block and a half one
+    (seq,) = group.seqs
+    sched.update([GroupOutput(group, [SequenceOutput(seq, 7, 0.0)] * 2)])
+    step = sched.schedule()  # both beams append to the shared half block: one copy
+    first, second = group.live
+    assert step.stats.blocks_copied == 1 and sched.manager.num_free_blocks == 1
+    sched.update([GroupOutput(group, [SequenceOutput(p, t, 0.0) for p in (first, second)
+                                      for t in (8, 9)])])
+    step = sched.schedule()  # four beams on two half blocks: two copies, one block free
+    assert step.failed == [group] and str(group.error).startswith(
+        "request 'b' needs 5 blocks of 4 tokens to go on")
     assert sched.manager.num_used_blocks == 0
