@@ -499,3 +499,21 @@ def test_beams_forked_from_two_parents_copy_both_half_blocks():
     assert step.failed == [group] and str(group.error).startswith(
         "request 'b' needs 5 blocks of 4 tokens to go on")
     assert sched.manager.num_used_blocks == 0
+
+
+def test_a_swapped_group_that_can_never_return_fails_before_anyone_is_admitted():
+    """As above, "b" grows into the watermark, but goes to the CPU: 8 blocks and one for its
+    decode, more than admission's 8. "c", arriving meanwhile, waits while "b" is swapped out;
+    once "a" has finished, "b" fails alone and "c" starts in the same step."""
+    sched = make(num_blocks=10, num_cpu_blocks=16, watermark=0.2, preemption_mode="swap")
+    add(sched, "a", 1, max_tokens=12)
+    b = add(sched, "b", 28, max_tokens=20)
+    steps = []
+    for i in range(14):
+        if i == 6:
+            add(sched, "c", 2, max_tokens=2)
+        step, _ = run_step(sched)
+        steps.append(([g.request_id for g in step.groups], [g.request_id for g in step.failed]))
+    assert steps[5:12] == [(["a"], [])] * 7  # b swapped out in step 5; nobody admitted
+    assert steps[12] == (["c"], ["b"]) and isinstance(b.error, CacheTooSmall)
+    assert not sched.has_unfinished and sched.manager.cpu.num_used == 0
