@@ -54,6 +54,8 @@ def run_step(sched, token=7):
      r"preemption_mode='drop' must be one of \('recompute', 'swap'\)"),
     (dict(watermark=1.0), r"watermark=1.0 must be in \[0, 1\)"),
     (dict(watermark=-0.1), r"watermark=-0.1 must be in \[0, 1\)"),
+    (dict(max_model_len=0), r"^max_model_len=0 must be > 0"),
+    (dict(max_model_len=2.5), r"^max_model_len=2.5 must be an integer"),
 ])
 def test_a_bad_config_is_named(config, message):
     with pytest.raises(ValueError, match=message):
@@ -65,6 +67,8 @@ def test_the_edges_of_the_config_are_allowed():
     with pytest.raises(TypeError, match=r"policy=.* must be an instance of a pagedlab.engine."
                        r"Policy subclass, such as FCFS\(\) \(an instance, not the class\)"):
         SchedulerConfig(policy=object())
+    with pytest.raises(TypeError, match=r"^chunked_prefill=1 must be a bool$"):
+        SchedulerConfig(chunked_prefill=1)
 
 
 def test_requests_that_can_never_run_are_named():
@@ -81,6 +85,8 @@ def test_requests_that_can_never_run_are_named():
                        r"free as the watermark\)$"):
         add(sched, "big", 13)
     assert [g.request_id for g in sched.waiting] == ["ok"]
+    with pytest.raises(ValueError, match=r"^request 'ok' is already running; ids must be unique$"):
+        add(sched, "ok", 1)
 
 
 # --- admission ------------------------------------------------------------------------------
@@ -332,12 +338,13 @@ def test_a_request_as_wide_as_max_num_seqs_runs():
 def test_prefix_hits_are_neither_computed_nor_counted_as_prefill():
     sched = Scheduler(KVCacheManager(8, 4, enable_prefix_caching=True),
                       SchedulerConfig(watermark=0.0))
-    add(sched, "a", 9, max_tokens=1)
+    add(sched, "a", 9, max_tokens=2)
     first, _ = run_step(sched)
     add(sched, "b", 9, max_tokens=1)  # the same prompt: its two full blocks are cached
     second, _ = run_step(sched)
     assert (first.stats.prefill_tokens, first.stats.kv_tokens_read) == (9, 0)
-    assert (second.stats.prefill_tokens, second.stats.kv_tokens_read) == (1, 8)
+    # b reads its 8 cached tokens; a's decode, its 9 and the new one
+    assert (second.stats.prefill_tokens, second.stats.kv_tokens_read) == (1, 8 + 10)
     assert [(c.start, c.num_tokens) for c in second.prefills] == [(8, 1)]
 
 
