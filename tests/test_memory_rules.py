@@ -16,6 +16,7 @@ from pagedlab.memory import (
     OutOfBlocks,
     PrefixCache,
     StateError,
+    UnknownSequence,
     orca,
     static_max,
 )
@@ -386,3 +387,13 @@ def test_swaps_are_recorded_per_sequence_with_their_pairs():
     assert all(e.blocks == tuple(cpu) and e.pairs == tuple(zip(gpu, cpu)) for e in events[:2])
     new = [back[b] for b in cpu]
     assert all(e.blocks == tuple(new) and e.pairs == tuple(zip(cpu, new)) for e in events[2:])
+
+
+def test_a_swapped_sequence_keeps_its_tokens_and_an_unknown_one_is_named():
+    mgr = KVCacheManager(4, 2, 4)
+    mgr.allocate("a", [1, 2, 3])
+    mgr.swap_out("a")
+    assert mgr.num_tokens("a") == 3 and mgr.token_ids("a") == [1, 2, 3]
+    with pytest.raises(UnknownSequence, match=r"^sequence 'b' is not allocated \(never, or "
+                                              r"already freed\)$"):
+        mgr.num_tokens("b")
