@@ -397,3 +397,14 @@ def test_a_swapped_sequence_keeps_its_tokens_and_an_unknown_one_is_named():
     with pytest.raises(UnknownSequence, match=r"^sequence 'b' is not allocated \(never, or "
                                               r"already freed\)$"):
         mgr.num_tokens("b")
+
+
+def test_appends_are_recorded_with_the_blocks_they_take():
+    mgr = KVCacheManager(4, 2, record_events=True)
+    mgr.allocate("a", [1])
+    first = mgr.block_table("a")[0]
+    mgr.append("a", [2])  # fills its own last block: no new block
+    mgr.append("a", [3])  # after a full block: a fresh one
+    appends = [(e.seq_id, e.blocks, e.num_tokens) for e in mgr.events if e.kind == "append"]
+    assert appends == [("a", (), 1), ("a", (mgr.block_table("a")[1],), 1)]
+    assert mgr.block_table("a")[0] == first
