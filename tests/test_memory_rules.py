@@ -408,3 +408,16 @@ def test_appends_are_recorded_with_the_blocks_they_take():
     appends = [(e.seq_id, e.blocks, e.num_tokens) for e in mgr.events if e.kind == "append"]
     assert appends == [("a", (), 1), ("a", (mgr.block_table("a")[1],), 1)]
     assert mgr.block_table("a")[0] == first
+    blocks = mgr.block_table("a")
+    mgr.free("a")
+    last = mgr.events[-1]
+    assert (last.kind, last.seq_id, last.blocks) == ("free", "a", tuple(blocks[::-1]))
+
+
+def test_only_a_block_in_use_can_be_released():
+    allocator = BlockAllocator(4)
+    allocator.allocate(1)
+    for block in (1, 4, -1):  # free, past the pool, before it
+        with pytest.raises(StateError, match=rf"^block {block} of pool 'gpu' is already free$"):
+            allocator.release([block])
+    assert allocator.num_free == 3
