@@ -421,3 +421,30 @@ def test_only_a_block_in_use_can_be_released():
         with pytest.raises(StateError, match=rf"^block {block} of pool 'gpu' is already free$"):
             allocator.release([block])
     assert allocator.num_free == 3
+
+
+def test_a_block_released_more_times_than_it_has_users_is_refused():
+    allocator = BlockAllocator(4)
+    (block,) = allocator.allocate(1)
+    with pytest.raises(StateError, match=rf"^block {block} of pool 'gpu' has 1 user\(s\), "
+                                         "cannot release it 2 times$"):
+        allocator.release([block, block])
+    assert allocator.refcount(block) == 1
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_a_prompt_that_fills_the_pool_exactly_fits_and_one_more_block_is_named(prefix_caching):
+    mgr = KVCacheManager(3, 2, enable_prefix_caching=prefix_caching)
+    mgr.allocate("fits", [1, 2, 3, 4, 5, 6])  # three blocks of three free
+    mgr.free("fits")
+    with pytest.raises(OutOfBlocks, match=r"^sequence 'big' needs 4 blocks, pool 'gpu' has 3 "):
+        mgr.allocate("big", [1, 2, 3, 4, 5, 6, 7])
+    mgr.check_invariants()
+
+
+def test_a_prompt_sharing_blocks_in_use_needs_only_its_own():
+    mgr = KVCacheManager(3, 2, enable_prefix_caching=True)
+    mgr.allocate("a", [1, 2, 3, 4])  # two blocks in use, one free
+    assert mgr.allocate("b", [1, 2, 3, 4, 5]) == 4  # shares both, takes the last free block
+    assert mgr.num_free_blocks == 0
+    mgr.check_invariants()
