@@ -448,3 +448,16 @@ def test_a_prompt_sharing_blocks_in_use_needs_only_its_own():
     assert mgr.allocate("b", [1, 2, 3, 4, 5]) == 4  # shares both, takes the last free block
     assert mgr.num_free_blocks == 0
     mgr.check_invariants()
+
+
+def test_a_prompt_that_hits_caches_its_own_blocks_after_the_hits():
+    mgr = KVCacheManager(8, 2, enable_prefix_caching=True)
+    mgr.allocate("a", [1, 2, 3, 4, 0])
+    assert mgr.allocate("b", [1, 2, 3, 4, 5, 6, 0]) == 4  # and caches [5, 6] after them
+    assert mgr.cached_prefix([1, 2, 3, 4, 5, 6, 9]) == 6
+
+
+def test_a_first_chunk_counts_its_whole_prompt_in_the_stats():
+    mgr = KVCacheManager(8, 2, enable_prefix_caching=True)
+    mgr.allocate("a", [1, 2, 3], prompt_len=10)  # a chunked prefill's first 3 of 10 tokens
+    assert (mgr.prefix_stats.hits, mgr.prefix_stats.misses) == (0, 10)

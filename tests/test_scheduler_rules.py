@@ -524,3 +524,13 @@ def test_a_swapped_group_that_can_never_return_fails_before_anyone_is_admitted()
     assert steps[5:12] == [(["a"], [])] * 7  # b swapped out in step 5; nobody admitted
     assert steps[12] == (["c"], ["b"]) and isinstance(b.error, CacheTooSmall)
     assert not sched.has_unfinished and sched.manager.cpu.num_used == 0
+
+
+def test_a_chunked_prompt_counts_once_in_the_prefix_stats():
+    sched = Scheduler(KVCacheManager(8, 4, enable_prefix_caching=True),
+                      SchedulerConfig(watermark=0.0, max_num_seqs=4, max_num_batched_tokens=4))
+    add(sched, "a", 10, max_tokens=1)
+    while sched.has_unfinished:
+        run_step(sched)  # chunks of 4, 4 and 2 tokens
+    stats = sched.manager.prefix_stats
+    assert (stats.hits, stats.misses) == (0, 10)
