@@ -461,3 +461,12 @@ def test_a_first_chunk_counts_its_whole_prompt_in_the_stats():
     mgr = KVCacheManager(8, 2, enable_prefix_caching=True)
     mgr.allocate("a", [1, 2, 3], prompt_len=10)  # a chunked prefill's first 3 of 10 tokens
     assert (mgr.prefix_stats.hits, mgr.prefix_stats.misses) == (0, 10)
+
+
+def test_an_allocation_is_recorded_with_its_cached_tokens_and_no_swap_space_is_the_default():
+    mgr = KVCacheManager(4, 2, enable_prefix_caching=True, record_events=True)
+    mgr.allocate("x", [1, 2, 3])
+    mgr.allocate("y", [1, 2, 3])  # hits x's full block
+    allocs = [(e.seq_id, e.num_tokens, e.cached_tokens) for e in mgr.events if e.kind == "allocate"]
+    assert allocs == [("x", 3, 0), ("y", 3, 2)]
+    assert mgr.cpu.num_blocks == 0 and not mgr.can_swap_out("x")
