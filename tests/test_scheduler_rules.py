@@ -534,3 +534,15 @@ def test_a_chunked_prompt_counts_once_in_the_prefix_stats():
         run_step(sched)  # chunks of 4, 4 and 2 tokens
     stats = sched.manager.prefix_stats
     assert (stats.hits, stats.misses) == (0, 10)
+
+
+def test_each_sample_keeps_the_top_logprobs_it_was_given():
+    sched = make(num_blocks=8, watermark=0.0)
+    group = add(sched, "a", 2, max_tokens=2, n=2)
+    sched.schedule()
+    (seq,) = group.seqs
+    tops = [{7: -0.1, 8: -2.0}, {8: -0.2, 7: -1.9}]
+    sched.update([GroupOutput(group, [SequenceOutput(seq, t, -0.5, top)
+                                      for t, top in zip((7, 8), tops)])])
+    assert [s.logprobs for s in group.seqs] == [[tops[0]], [tops[1]]]
+    assert [s.cumulative_logprob for s in group.seqs] == [-0.5, -0.5]
