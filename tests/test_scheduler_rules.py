@@ -371,13 +371,14 @@ def test_a_recomputed_pair_of_samples_computes_its_shared_prompt_once(plen, pref
     assert back.stats.used_blocks == (4 if plen == 2 else 5)
 
 
-@pytest.mark.parametrize("budget, fails", [(None, True), (16, False)])
-def test_a_request_that_grew_into_the_watermark_comes_back_only_in_chunks(budget, fails):
+@pytest.mark.parametrize("config, fails", [
+    (dict(), True), (dict(max_num_batched_tokens=16), False), (dict(chunked_prefill=False), True)])
+def test_a_request_that_grew_into_the_watermark_comes_back_only_in_chunks(config, fails):
     """Decodes may use the watermark's blocks; admission may not. "b" grows to 33 tokens (9
-    blocks of 4) before "a" preempts it, and admission can use only 8 of the 10 blocks: whole,
-    or as a first chunk of 33 tokens, it can never come back, and fails alone once the cache
-    is idle; with a budget of 16 its first chunk takes 4 blocks and the rest follow."""
-    sched = make(num_blocks=10, watermark=0.2, max_num_seqs=2, max_num_batched_tokens=budget)
+    blocks of 4) before "a" preempts it, and admission can use only 8 of the 10 blocks: whole
+    (unchunked), or as a first chunk of 33 tokens, it can never come back, and fails alone once
+    the cache is idle; with a budget of 16 its first chunk takes 4 blocks and the rest follow."""
+    sched = make(num_blocks=10, watermark=0.2, max_num_seqs=2, **config)
     a = add(sched, "a", 1, max_tokens=12)
     b = add(sched, "b", 28, max_tokens=12)  # 40 tokens at the end: the whole cache
     failed, preempted = [], []
@@ -394,15 +395,6 @@ def test_a_request_that_grew_into_the_watermark_comes_back_only_in_chunks(budget
     else:
         assert failed == [] and len(b.seqs[0].output_token_ids) == 12
     assert sched.manager.num_used_blocks == 0
-
-
-def test_unchunked_a_request_that_grew_into_the_watermark_fails_alone():
-    sched = make(num_blocks=10, watermark=0.2, chunked_prefill=False)
-    add(sched, "a", 1, max_tokens=12)
-    b = add(sched, "b", 28, max_tokens=20)
-    while sched.has_unfinished:
-        run_step(sched)
-    assert str(b.error).startswith("request 'b' needs 9 blocks of 4 tokens")
 
 
 def test_only_an_unfinished_request_can_be_aborted():

@@ -16,8 +16,8 @@ first come first served (:class:`~pagedlab.engine.policy.FCFS`) unless another i
    ``max_num_batched_tokens``: decodes take their token each first; a running group whose
    prompt is partly prefilled (there is at most one) then takes its next chunk, as big as
    the budget and the free blocks allow; new requests are admitted with a first chunk cut to
-   what is left. A chunk
-   that ends its sequence's tokens samples the next one; the others only fill the cache.
+   what is left. A chunk that ends its sequence's tokens samples the next one; the others
+   only fill the cache.
    Blocks are allocated chunk by chunk, and prefix-cache hits are not computed at all.
    Without chunking (``chunked_prefill=False``: the paper's, vLLM V0's rule) a prompt is
    prefilled whole; one bigger than what is left of the budget waits, and one bigger than
