@@ -171,3 +171,18 @@ def test_the_simulator_cannot_rank_beams():
 def test_a_bad_block_size_is_named_before_the_cache_is_sized(block_size, message):
     with pytest.raises(ValueError, match=message):
         simulate_paged([Request(0, 0.0, 1, 1)], COST, PagedConfig(block_size=block_size))
+
+
+def test_the_unchunked_budget_is_the_models_context_unless_the_caller_sets_one():
+    """Without chunking a step's budget is at least the longest sequence (vLLM V0's rule):
+    Llama-2-7B's 4096 tokens hold two 2,000-token prompts, a caller's 6,144 three, and a
+    fitted cost model, which knows no context, keeps the default 2048: one."""
+    prompts = [Request(i, 0.0, 2000, 1) for i in range(3)]
+    llama = CostModel("Llama-2-7B", "A100-80GB")
+    fitted = FittedCostModel(0.01, {"prefill_tokens": 1e-5}, kv_bytes_per_token=2**16,
+                             swap_bandwidth=1e9)
+    for cost, max_model_len, first_batch in ((llama, None, 2), (llama, 6144, 3),
+                                             (fitted, None, 1)):
+        config = PagedConfig(num_gpu_blocks=1024, scheduler=SchedulerConfig(
+            chunked_prefill=False, max_model_len=max_model_len))
+        assert simulate_paged(prompts, cost, config).running[0] == first_batch
