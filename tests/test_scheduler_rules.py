@@ -538,3 +538,19 @@ def test_each_sample_keeps_the_top_logprobs_it_was_given():
                                       for t, top in zip((7, 8), tops)])])
     assert [s.logprobs for s in group.seqs] == [[tops[0]], [tops[1]]]
     assert [s.cumulative_logprob for s in group.seqs] == [-0.5, -0.5]
+
+
+def test_a_recomputed_pair_of_samples_may_fill_the_budget_to_the_last_token():
+    """x, y and f (two samples of a 5-token prompt) fill 6 blocks of 4; when f's samples need
+    a block of their own, f, the latest, is recomputed. It comes back once y has finished,
+    beside x's decode: its first sample recomputes 6 tokens, the second forks the prompt's full
+    block and computes 2 more, and with x's token that is the budget of 9 exactly."""
+    sched = make(num_blocks=6, watermark=0.0, max_num_seqs=4, max_num_batched_tokens=9)
+    add(sched, "x", 4, max_tokens=6)
+    add(sched, "y", 4, max_tokens=3)
+    add(sched, "f", 5, max_tokens=2, n=2)
+    steps = [run_step(sched)[0] for _ in range(4)]
+    assert steps[2].stats.preempted == (("f", "recompute"),)
+    assert [(c.seq.seq_id, c.start, c.num_tokens) for c in steps[3].chunks] == [
+        (2, 0, 6), (3, 4, 2), (0, 6, 1)]
+    assert steps[3].stats.batched_tokens == 9
