@@ -8,6 +8,7 @@ from pagedlab.engine import (
     CacheTooSmall,
     GroupOutput,
     GroupStatus,
+    Priority,
     SamplingParams,
     Scheduler,
     SchedulerConfig,
@@ -554,3 +555,20 @@ def test_a_recomputed_pair_of_samples_may_fill_the_budget_to_the_last_token():
     assert [(c.seq.seq_id, c.start, c.num_tokens) for c in steps[3].chunks] == [
         (2, 0, 6), (3, 4, 2), (0, 6, 1)]
     assert steps[3].stats.batched_tokens == 9
+
+
+def test_a_swapped_group_comes_back_when_the_budget_left_is_exactly_its_decodes():
+    """Under Priority, s (two samples, the least urgent) goes to the CPU in step 3, when its
+    samples need blocks; r finishes in that step. In step 4 q's last prompt chunk, 2 tokens,
+    leaves 2 of the budget of 4: exactly s's two decodes, so s comes back in that step."""
+    sched = make(num_blocks=5, num_cpu_blocks=16, watermark=0.0, max_num_seqs=4,
+                 max_num_batched_tokens=4, preemption_mode="swap", policy=Priority())
+    sched.add_request("r", [1, 2, 3, 4], SamplingParams(max_tokens=4), priority=0)
+    sched.add_request("s", [1, 2, 3, 4, 5], SamplingParams(n=2, max_tokens=12, seed=0), priority=2)
+    steps = [run_step(sched)[0] for _ in range(2)]
+    sched.add_request("q", [1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=4), priority=1)
+    steps += [run_step(sched)[0] for _ in range(3)]
+    assert steps[3].stats.preempted == (("s", "swap"),) and sched.unfinished.keys() == {"s", "q"}
+    assert [(c.seq.seq_id, c.start, c.num_tokens) for c in steps[4].chunks] == [
+        (2, 4, 2), (1, 5, 1), (3, 5, 1)]
+    assert steps[4].swapped_in == [sched.unfinished["s"]]
