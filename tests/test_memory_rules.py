@@ -470,3 +470,14 @@ def test_an_allocation_is_recorded_with_its_cached_tokens_and_no_swap_space_is_t
     allocs = [(e.seq_id, e.num_tokens, e.cached_tokens) for e in mgr.events if e.kind == "allocate"]
     assert allocs == [("x", 3, 0), ("y", 3, 2)]
     assert mgr.cpu.num_blocks == 0 and not mgr.can_swap_out("x")
+
+
+@pytest.mark.parametrize("args, message", [
+    ((2.5, 4), r"^num_gpu_blocks=2.5 must be an integer$"),
+    ((0, 4), r"^num_gpu_blocks=0 must be > 0$"),
+    ((4, 0), r"^block_size=0 must be > 0$"),
+    ((4, 2.0), r"^block_size=2.0 must be an integer$"),
+])
+def test_a_manager_names_its_bad_size(args, message):
+    with pytest.raises(ValueError, match=message):
+        KVCacheManager(*args)
