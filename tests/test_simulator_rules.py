@@ -150,7 +150,8 @@ def test_the_executor_prices_swaps_and_samples_placeholders_for_each_sample():
         assert run.swap_seconds == (COST.swap_time(moved, 4) if moved else 0.0)
         swaps += [moved] if moved else []
         for out in run.outputs:  # then each live sample gets a placeholder of its own
-            assert [c.parent for c in out.children] == out.group.live
+            assert [(c.parent, c.token, c.logprob) for c in out.children] == [
+                (s, TOKEN, 0.0) for s in out.group.live]
         sched.update(run.outputs)
     # b's two samples each need a block in the third step: b goes to the CPU, and comes back
     # when a has finished
@@ -186,3 +187,51 @@ def test_the_unchunked_budget_is_the_models_context_unless_the_caller_sets_one()
         config = PagedConfig(num_gpu_blocks=1024, scheduler=SchedulerConfig(
             chunked_prefill=False, max_model_len=max_model_len))
         assert simulate_paged(prompts, cost, config).running[0] == first_batch
+
+
+# --- a whole run, worked out by hand ------------------------------------------------------------
+
+# every step takes half a second; a block of 4 tokens (2**18 bytes) crosses PCIe in 0.25 s
+HALF_SECOND = FittedCostModel(0.5, {}, kv_bytes_per_token=2**16, swap_bandwidth=2**20)
+
+
+def simulate(requests, **config):
+    return simulate_paged(requests, HALF_SECOND, PagedConfig(block_size=4, **config))
+
+
+def test_a_run_records_every_step_and_request():
+    """A (prompt 4, 3 tokens, at 1.0 s) and B (prompt 2, 1 token, at 1.2 s) in 8 blocks of 4:
+    A prefills alone; at 1.5 s A decodes its 5th token as B prefills; at 2.0 s A decodes alone."""
+    res = simulate([Request(0, 1.0, 4, 3), Request(1, 1.2, 2, 1)], num_gpu_blocks=8)
+    assert res.policy == "Paging (block 4)" and res.capacity == 32
+    assert res.time.tolist() == [1.0, 1.5, 2.0] and res.duration.tolist() == [0.5] * 3
+    assert res.running.tolist() == [1, 2, 1] and res.waiting.tolist() == [0, 0, 0]
+    assert res.slots["tokens"].tolist() == [4, 5 + 2, 6]  # the keys each step's attention read
+    assert res.slots["rounding"].tolist() == [0, 12 - 7, 8 - 6]  # A's blocks, then B's
+    assert res.slots["free"].tolist() == [32 - 4, 32 - 12, 32 - 8]
+    assert (res.finished, res.preemptions, res.blocks_swapped, res.swap_seconds) == (2, 0, 0, 0.0)
+    assert res.arrival.tolist() == [1.0, 1.2] and res.output_len.tolist() == [3, 1]
+    assert res.first_token.tolist() == [1.5, 2.0] and res.finish.tolist() == [2.5, 2.0]
+
+
+def test_samples_of_one_prompt_count_their_shared_block_once():
+    """Two samples of a 4-token prompt: the prompt's block is shared, so after the first decode
+    the cache holds 4 + 1 + 1 tokens in 3 blocks, not the 5 + 5 the two contexts read."""
+    res = simulate([Request(0, 0.0, 4, 2)], num_gpu_blocks=8, n=2)
+    assert res.slots["tokens"].tolist() == [4, 6] and res.slots["rounding"].tolist() == [0, 6]
+    assert res.output_len.tolist() == [4] and res.finish.tolist() == [1.0]
+
+
+def test_a_swapped_request_waits_and_its_copies_take_time():
+    """A and B (prompts of 4) in 3 blocks of 4, swap preemption: at 0.5 s A's 5th token takes
+    the last block and B, needing one too, goes to the CPU (0.25 s for its block). It waits,
+    with too little room to come back and decode, until A finishes its 6 tokens at 3.25 s; then
+    it comes back (0.25 s) for its second token."""
+    res = simulate([Request(0, 0.0, 4, 6), Request(1, 0.0, 4, 2)], num_gpu_blocks=3,
+                   scheduler=SchedulerConfig(preemption_mode="swap"))
+    assert res.time.tolist() == [0.0, 0.5, 1.25, 1.75, 2.25, 2.75, 3.25]
+    assert res.duration.tolist() == [0.5, 0.75, 0.5, 0.5, 0.5, 0.5, 0.75]
+    assert res.running.tolist() == [2, 1, 1, 1, 1, 1, 1]
+    assert res.waiting.tolist() == [0, 1, 1, 1, 1, 1, 0]
+    assert (res.preemptions, res.blocks_swapped, res.swap_seconds) == (1, 2, 0.5)
+    assert res.first_token.tolist() == [0.5, 0.5] and res.finish.tolist() == [3.25, 4.0]
