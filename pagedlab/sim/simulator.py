@@ -42,12 +42,11 @@ TOKEN = 0  # the placeholder every simulated step "samples"
 
 
 class StepRun(NamedTuple):
-    """One simulated step: its forward pass and swap times, tokens in its sequences' caches,
-    and the outputs for :meth:`Scheduler.update`."""
+    """One simulated step: its forward pass and swap times, and the outputs for
+    :meth:`Scheduler.update`."""
 
     seconds: float
     swap_seconds: float
-    kv_tokens: int  # shared blocks counted once per sharer
     outputs: list[GroupOutput]
 
 
@@ -79,8 +78,7 @@ class SimExecutor:
             else:  # the prompt's step starts all n samples from the one sequence
                 children = [SequenceOutput(group.seqs[0], TOKEN, 0.0)] * n
             outputs.append(GroupOutput(group, children))
-        kv_tokens = sum(c.context_len for c in step.prefills) + sum(decode_lens)
-        return StepRun(seconds, swap, kv_tokens, outputs)
+        return StepRun(seconds, swap, outputs)
 
 
 @dataclass(frozen=True)
@@ -122,7 +120,6 @@ def simulate_paged(
     first, finish = {}, {}  # request id -> seconds of its first and last token
     times, durations, batch, waiting, used, stored = [], [], [], [], [], []
     now, nxt, preemptions, swapped, swap_seconds = 0.0, 0, 0, 0, 0.0
-    exact_usage = config.n > 1  # shared blocks: count each once, through the manager
 
     while nxt < len(pending) or scheduler.has_unfinished:
         if not scheduler.has_unfinished:
@@ -142,7 +139,9 @@ def simulate_paged(
         batch.append(len(step.groups))
         waiting.append(len(scheduler.waiting) + len(scheduler.swapped))
         used.append(manager.num_used_blocks)
-        stored.append(manager.usage().tokens_stored if exact_usage else ran.kv_tokens)
+        # from the manager, not the step: a shared block counts once, and a prompt part-way
+        # through its prefill keeps its tokens in a step that gives it no chunk
+        stored.append(manager.usage().tokens_stored)
         now += seconds
         for group in step.sampled_groups:
             first.setdefault(group.request_id, now)
