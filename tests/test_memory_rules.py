@@ -481,3 +481,18 @@ def test_an_allocation_is_recorded_with_its_cached_tokens_and_no_swap_space_is_t
 def test_a_manager_names_its_bad_size(args, message):
     with pytest.raises(ValueError, match=message):
         KVCacheManager(*args)
+
+
+def test_a_pool_takes_numpy_counts_and_names_a_bad_one():
+    """Counts that are not Python ints (a numpy integer, say) take the checked path."""
+    assert BlockAllocator(0).num_free == 0  # an empty CPU pool is a pool
+    for size, message in ((2.5, r"^num_blocks=2.5 must be an integer$"),
+                          (-1, r"^num_blocks=-1 must be >= 0$")):
+        with pytest.raises(ValueError, match=message):
+            BlockAllocator(size)
+    allocator = BlockAllocator(3)
+    assert allocator.allocate(np.int64(0)) == [] and allocator.allocate(np.int64(2)) == [0, 1]
+    for n, message in ((-1, r"^n=-1 must be >= 0$"), (1.0, r"^n=1.0 must be an integer$")):
+        with pytest.raises(ValueError, match=message):
+            allocator.allocate(n)
+    assert allocator.num_free == 1
