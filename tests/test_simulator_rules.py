@@ -248,3 +248,11 @@ def test_a_prompt_given_no_chunk_in_a_step_still_holds_its_tokens():
     assert res.slots["tokens"].tolist() == [4, 5 + 3, 6 + 6, 7 + 8, 8 + 8, 12]
     assert res.slots["rounding"].tolist() == [0, 12 - 8, 16 - 12, 16 - 15, 0, 0]
     assert res.finish.tolist() == [2.5, 3.0]
+
+
+def test_swap_space_smaller_than_a_block_is_none():
+    """Half a block of swap space (2**17 bytes) holds no block: B, preempted as in the swap
+    run above, is recomputed instead."""
+    res = simulate([Request(0, 0.0, 4, 6), Request(1, 0.0, 4, 2)], num_gpu_blocks=3,
+                   swap_space_gib=2**17 / 2**30, scheduler=SchedulerConfig(preemption_mode="swap"))
+    assert (res.preemptions, res.blocks_swapped, res.swap_seconds) == (1, 0, 0.0)
