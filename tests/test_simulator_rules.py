@@ -26,6 +26,8 @@ from pagedlab.sim.simulator import (
 from pagedlab.sim.traces import Request
 
 COST = CostModel("OPT-13B", "A100-40GB")
+# every step takes half a second; a block of 4 tokens (2**18 bytes) crosses PCIe in 0.25 s
+HALF_SECOND = FittedCostModel(0.5, {}, kv_bytes_per_token=2**16, swap_bandwidth=2**20)
 
 
 def by_hand(system, dataset, rate, num_requests, seed=0):
@@ -99,9 +101,7 @@ def test_requests_are_clipped_to_the_models_context_or_2048():
     fitted cost model knows none, and the simulator then assumes 2048."""
     long = Request(0, 0.0, 100, 3000)
     llama = CostModel("Llama-2-7B", "A100-80GB")
-    fitted = FittedCostModel(0.01, {"prefill_tokens": 1e-5}, kv_bytes_per_token=2**16,
-                             swap_bandwidth=1e9)  # 4 GiB of swap space: 4,096 blocks of 16
-    for cost, kept in ((llama, 3000), (fitted, 2047)):
+    for cost, kept in ((llama, 3000), (HALF_SECOND, 2047)):
         res = simulate_system("paged", [long], cost, num_gpu_blocks=512)
         assert list(res.output_len) == [kept]
 
@@ -180,19 +180,14 @@ def test_the_unchunked_budget_is_the_models_context_unless_the_caller_sets_one()
     fitted cost model, which knows no context, keeps the default 2048: one."""
     prompts = [Request(i, 0.0, 2000, 1) for i in range(3)]
     llama = CostModel("Llama-2-7B", "A100-80GB")
-    fitted = FittedCostModel(0.01, {"prefill_tokens": 1e-5}, kv_bytes_per_token=2**16,
-                             swap_bandwidth=1e9)
     for cost, max_model_len, first_batch in ((llama, None, 2), (llama, 6144, 3),
-                                             (fitted, None, 1)):
+                                             (HALF_SECOND, None, 1)):
         config = PagedConfig(num_gpu_blocks=1024, scheduler=SchedulerConfig(
             chunked_prefill=False, max_model_len=max_model_len))
         assert simulate_paged(prompts, cost, config).running[0] == first_batch
 
 
 # --- a whole run, worked out by hand ------------------------------------------------------------
-
-# every step takes half a second; a block of 4 tokens (2**18 bytes) crosses PCIe in 0.25 s
-HALF_SECOND = FittedCostModel(0.5, {}, kv_bytes_per_token=2**16, swap_bandwidth=2**20)
 
 
 def simulate(requests, **config):
