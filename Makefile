@@ -2,6 +2,13 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 READY := $(VENV)/.ready
+# LOAD=N runs the build and the tests beside N busy processes (tools/under_load.sh), to check
+# that nothing they conclude depends on an idle machine.
+LOAD ?= 0
+RUN := bash tools/under_load.sh $(LOAD)
+# One torch (OpenMP) thread per process. Two threads on two cores shared with other programs
+# spin while they wait for each other, and a step can take ten times as long.
+export OMP_NUM_THREADS ?= 1
 
 .PHONY: book test pytest notebooks mutation clean
 
@@ -11,14 +18,14 @@ $(READY): pyproject.toml tools/setup_env.sh
 
 # Executes every chapter; an execution error or any Sphinx warning fails the build.
 book: $(READY)
-	$(BIN)/jupyter-book build . --warningiserror --nitpick --keep-going
+	$(RUN) $(BIN)/jupyter-book build . --warningiserror --nitpick --keep-going
 
 # The whole suite: the book build (every chapter executed), then unit and property tests and
 # the assignment grader's tests (tests/test_grade.py grades every solution notebook).
 test: book pytest
 
 pytest: $(READY)
-	$(BIN)/python -m pytest
+	$(RUN) $(BIN)/python -m pytest
 
 # Regenerate what is derived from a single source: Colab notebooks from chapter sources (plain
 # Markdown, with the glued values of the last `make book`), student notebooks from solution

@@ -15,13 +15,13 @@ Three ways to serve it:
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from pagedlab.sim.traces import sample_lengths
+from pagedlab.timing import Elapsed, stopwatch
 
 
 @dataclass(frozen=True)
@@ -38,10 +38,12 @@ class Workload:
 
 @dataclass
 class Run:
-    """One engine's pass over a workload; ``peak_kv_bytes`` None where it cannot be read."""
+    """One engine's pass over a workload: wall-clock and process CPU seconds (all threads);
+    ``peak_kv_bytes`` None where it cannot be read."""
 
     engine: str
     seconds: float
+    cpu_seconds: float
     tokens: int
     peak_kv_bytes: int | None
     note: str = ""
@@ -49,6 +51,11 @@ class Run:
     @property
     def tokens_per_second(self) -> float:
         return self.tokens / self.seconds
+
+    @property
+    def tokens_per_cpu_second(self) -> float:
+        """Throughput by CPU time: on a shared CPU, what the work cost, whatever else ran."""
+        return self.tokens / self.cpu_seconds
 
 
 def workload(n: int, vocab_size: int, *, scale: float = 0.25, max_context: int = 2048,
@@ -70,11 +77,6 @@ def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
     return 2 * config.num_hidden_layers * kv_heads * head_dim * dtype.itemsize
 
 
-def _sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def run_pagedlab(llm, work: Workload) -> Run:
     """The engine on every request at once (its scheduler batches them continuously)."""
     from pagedlab import SamplingParams
@@ -82,21 +84,19 @@ def run_pagedlab(llm, work: Workload) -> Run:
 
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
               for n in work.output_lens]
-    _sync(llm.model.device)
-    start = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in work.prompts], params, use_tqdm=False)
-    _sync(llm.model.device)
-    seconds = time.perf_counter() - start
+    with stopwatch(llm.model.device) as t:
+        outs = llm.generate([{"prompt_token_ids": p} for p in work.prompts], params,
+                            use_tqdm=False)
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     per_block = block_bytes(llm.model, llm.block_size, llm.kv_cache_dtype)
-    return Run("pagedlab", seconds, tokens, llm.stats.peak_blocks_used * per_block)
+    return Run("pagedlab", t.wall, t.cpu, tokens, llm.stats.peak_blocks_used * per_block)
 
 
 def run_generate(hf, work: Workload, batch_size: int) -> Run:
     """transformers' ``generate``, ``batch_size`` requests at a time in arrival order."""
     device, pad = hf.device, 0
     per_token = kv_bytes_per_token(hf.config, hf.dtype)
-    seconds, tokens, peak = 0.0, 0, 0
+    total, tokens, peak = Elapsed(), 0, 0
     for first in range(0, len(work.prompts), batch_size):
         prompts = work.prompts[first : first + batch_size]
         wanted = work.output_lens[first : first + batch_size]
@@ -104,16 +104,15 @@ def run_generate(hf, work: Workload, batch_size: int) -> Run:
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts],
                             device=device)  # left padding, masked out
-        _sync(device)
-        start = time.perf_counter()
-        out = hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new,
-                          min_new_tokens=new, pad_token_id=pad)  # no EOS before `new` tokens
-        _sync(device)
-        seconds += time.perf_counter() - start
+        with stopwatch(device) as t:
+            out = hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new,
+                              min_new_tokens=new, pad_token_id=pad)  # no EOS before `new`
+        total.wall, total.cpu = total.wall + t.wall, total.cpu + t.cpu
         assert out.shape[1] == width + new
         tokens += sum(wanted)  # what was asked for; the rest of each row is waste
         peak = max(peak, len(prompts) * (width + new) * per_token)
-    return Run(f"transformers generate (batch {batch_size})", seconds, tokens, peak)
+    return Run(f"transformers generate (batch {batch_size})", total.wall, total.cpu, tokens,
+               peak)
 
 
 def run_continuous_batching(hf, work: Workload, page_size: int = 256) -> Run:
@@ -133,9 +132,7 @@ def run_continuous_batching(hf, work: Workload, page_size: int = 256) -> Run:
             page_size=page_size, num_blocks=pages,
             max_batch_tokens=max(2048, max(map(len, work.prompts))),
         )
-        _sync(hf.device)
-        start = time.perf_counter()
-        with hf.continuous_batching_context_manager(
+        with stopwatch(hf.device) as t, hf.continuous_batching_context_manager(
             generation_config=config, continuous_batching_config=cb_config, block=True, timeout=5
         ) as manager:
             ids = [manager.add_request(p, max_new_tokens=n, eos_token_id=-1)
@@ -147,11 +144,9 @@ def run_continuous_batching(hf, work: Workload, page_size: int = 256) -> Run:
                     results[result.request_id] = result
                 elif result is None and not manager.is_running():
                     raise RuntimeError("the manager stopped before every request finished")
-        _sync(hf.device)
-        seconds = time.perf_counter() - start
         tokens = sum(len(r.generated_tokens) for r in results.values())
     except Exception as error:  # noqa: BLE001  (reported, not hidden: see Run.note)
-        return Run("transformers continuous batching", float("nan"), 0, None,
+        return Run("transformers continuous batching", float("nan"), float("nan"), 0, None,
                    note=f"not measured: {type(error).__name__}: {error}"[:200])
-    return Run("transformers continuous batching", seconds, tokens,
+    return Run("transformers continuous batching", t.wall, t.cpu, tokens,
                pages * page_size * per_token)

@@ -57,3 +57,12 @@ def test_seconds_per_call_warms_up_then_takes_the_median():
     assert seconds_per_call(lambda: calls.append(1), repeats=5) >= 0
     assert len(calls) == 6 or torch.cuda.is_available()  # do_bench decides on a GPU
     assert copy_bandwidth(2**12) > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU's timing: CUDA runs do_bench")
+def test_seconds_per_call_on_a_cpu_counts_work_not_waiting():
+    """Time the process spends off the cores (here asleep; on a shared machine, waiting for
+    another program's turn) is not the call's cost."""
+    import time
+
+    assert seconds_per_call(lambda: time.sleep(0.05)) < 0.01

@@ -61,6 +61,7 @@ def cheat_nbval_tag(name: str) -> nbformat.NotebookNode:
     return nb
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ASSIGNMENTS)
 def test_grader_fails_every_broken_solution_passes_variants_and_refuses_cheats(name, tmp_path):
     cases = []  # (label, submission, tasks, what must hold of its report)
@@ -155,6 +156,7 @@ def test_renaming_is_one_to_one_while_blocks_live():
 # -- the command line, as the student README runs it ------------------------------------------
 
 
+@pytest.mark.slow
 def test_command_line_grades_a_buggy_notebook_with_extra_checks_and_writes_json(tmp_path):
     nb = make_student(nbformat.read(solution_path("A2"), as_version=4))
     for cell in nb.cells:  # the student's cells: the solution's code with one bug (FIFO reuse)
@@ -191,6 +193,7 @@ def test_command_line_grades_a_buggy_notebook_with_extra_checks_and_writes_json(
     assert "expected: [3, 5] free: 0" in first and "actual:   [5, 3] free: 0" in first
 
 
+@pytest.mark.slow
 def test_a_broken_check_file_fails_the_grade(tmp_path):
     (tmp_path / "A1_broken.py").write_text("def broken(:\n")
     report = grade_many([(solution_path("A1"), ["A1.1"])], extra_checks=[tmp_path])[0]

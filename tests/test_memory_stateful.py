@@ -280,10 +280,12 @@ class MemoryMachine(RuleBasedStateMachine):
         assert self.mgr.usage().used_blocks == 0
 
 
+@pytest.mark.slow
 def test_manager_matches_the_model():
     run_state_machine_as_test(MemoryMachine, settings=FAST)
 
 
+@pytest.mark.slow
 def test_manager_matches_the_model_when_every_hash_collides(monkeypatch):
     """Keys modulo 3 collide all the time: lookups must still never return a wrong block."""
     monkeypatch.setattr(prefix_cache, "block_key", lambda parent, toks: hash((parent, toks)) % 3)

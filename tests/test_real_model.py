@@ -16,6 +16,8 @@ from pagedlab import LLM, SamplingParams
 from pagedlab.engine import InvalidPrompt, PromptTooLong
 from pagedlab.models import ModelNotInstalled, smollm2
 
+pytestmark = pytest.mark.slow  # a 135M-parameter model on a CPU: about 100 s for the module
+
 try:
     CHECKPOINT = smollm2()
 except ModelNotInstalled as missing:

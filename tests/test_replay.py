@@ -2,8 +2,6 @@
 injected clock, the fit against known constants, the simulator against an exact replay."""
 
 import math
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 
@@ -43,10 +41,9 @@ class FakeClock:
 @pytest.fixture
 def timed_llm(monkeypatch):
     """A factory of tiny models' engines whose steps take STEP + PER_PREFILL_TOKEN * prefilled
-    tokens on a fake clock, which the scheduler's metrics read too."""
+    tokens on a fake clock. The engine's own metrics keep the real clock: the replay times
+    requests by the clock it is given, as a client would."""
     clock = FakeClock()
-    monkeypatch.setattr("pagedlab.engine.scheduler.time",
-                        SimpleNamespace(monotonic=clock.monotonic))
 
     def make(**kwargs):
         llm = LLM(from_hf(tiny_hf("llama-mha-d32")), block_size=4, num_gpu_blocks=16, **kwargs)
@@ -195,3 +192,40 @@ def test_profile_covers_prefills_decodes_and_mixed_steps():
     assert max(s.batch for s in steps) == 4
     assert all(s.duration > 0 for s in steps)
     assert not llm.has_unfinished_requests()
+
+
+def test_a_cpu_clock_counts_work_and_skipped_sleep_but_not_waiting():
+    """A CPUClock advances by this process's CPU time: spinning counts, a real sleep (time the
+    machine gives to others) does not, and its own sleep jumps ahead at once."""
+    import time
+
+    from pagedlab.timing import CPUClock
+
+    clock = CPUClock()
+    start = clock()
+    time.sleep(0.2)  # the wall clock moves; this process computes nothing
+    waited = clock() - start
+    spin_until = time.process_time() + 0.05
+    while time.process_time() < spin_until:
+        pass
+    worked = clock() - start - waited
+    clock.sleep(3.0)
+    clock.sleep(-1.0)  # a late arrival: no time to skip
+    assert waited < 0.05 <= worked
+    assert clock() - start == pytest.approx(waited + worked + 3.0, abs=0.02)
+
+
+def test_a_replay_on_a_cpu_clock_skips_idle_time():
+    """Requests 30 s apart, served on a CPUClock: the gap is skipped, not slept, and each
+    request's latency is what its steps cost."""
+    from pagedlab.timing import CPUClock
+
+    llm = LLM(from_hf(tiny_hf("llama-mha-d32")), block_size=4, num_gpu_blocks=16)
+    clock = CPUClock()
+    run = replay(llm, [Request(0, 0.0, 4, 3), Request(1, 30.0, 4, 3)], clock=clock,
+                 sleep=clock.sleep)
+    assert clock.skipped > 25  # the idle gap, less request 0's three steps
+    assert run.steps[3].start >= 30.0  # request 1's prefill began at its arrival
+    for r in run.requests:
+        assert r.latency == pytest.approx(r.ttft + 2 * r.tpot)
+        assert 0 < r.ttft <= r.latency < 30

@@ -141,6 +141,7 @@ def test_with_rate_compresses_arrivals():
     assert [r.arrival for r in with_rate(requests, 2.0)] == [0.0, 1.5]
 
 
+@pytest.mark.slow
 def test_sharegpt_paging_sustains_the_papers_rate_gain_over_orca():
     """Acceptance: where normalised latency passes 1 s/token on ShareGPT (OPT-13B, A100-40GB),
     paging is 1.5x to 3x Orca (Oracle) and further ahead of Orca (Max) (paper: 1.7x-2.7x,

@@ -1,10 +1,10 @@
-"""A timed replay: a trace served by the real engine on the wall clock, and the simulator's
-prediction of the same run (chapter 9).
+"""A timed replay: a trace served by the real engine on a clock, and the simulator's
+prediction of the same run (chapter 10).
 
 :func:`replay` feeds each request of a trace to an :class:`~pagedlab.engine.LLM` when its
 arrival time comes round, adding every request that has arrived before each step and sleeping
 while the engine is idle, and records what a serving benchmark reports per request (time to
-first token, time per output token, end-to-end latency) from the engine's own metrics, and
+first token, time per output token, end-to-end latency) from the clock after each step, and
 each step's time and shape. :func:`predict` runs the simulator on the same requests, arrivals,
 scheduler limits and cache size, with a cost model (usually one fitted by
 :mod:`pagedlab.sim.calibration`), and :func:`errors` says how far apart the two are.
@@ -83,16 +83,18 @@ def replay(llm, requests: list[Request], *, seed: int = 0,
     """Serve ``requests`` on ``llm`` at their arrival times (seconds after the call).
 
     Each prompt is ``prompt_len`` token ids drawn from the model's vocabulary (seeded), and
-    each request generates exactly ``output_len`` tokens (greedy, EOS ignored). ``clock``
-    must be the clock the engine stamps its metrics with (``time.monotonic``); a test may
-    replace both, and ``sleep`` with them. Give ``llm`` a fixed ``num_gpu_blocks``: a
-    CPU engine's default cache grows with what each idle moment's request needs.
+    each request generates exactly ``output_len`` tokens (greedy, EOS ignored). Times are read
+    from ``clock`` after every step, as a client would see them, not from the engine's own
+    metrics: a :class:`~pagedlab.timing.CPUClock` (with its ``sleep``) times a run by the CPU
+    time its steps cost, which a busy machine hardly changes. Give ``llm`` a fixed
+    ``num_gpu_blocks``: a CPU engine's default cache grows with what each idle moment's
+    request needs.
     """
     pending = sorted(requests, key=lambda r: (r.arrival, r.id))
     rng = np.random.default_rng(seed)
     vocab = llm.model.args.vocab_size
     prompts = {r.id: rng.integers(0, vocab, r.prompt_len).tolist() for r in pending}
-    groups, steps, nxt = {}, [], 0
+    running, first, finish, steps, nxt = {}, {}, {}, [], 0
     origin = clock()
     while nxt < len(pending) or llm.has_unfinished_requests():
         now = clock() - origin
@@ -102,17 +104,23 @@ def replay(llm, requests: list[Request], *, seed: int = 0,
         while nxt < len(pending) and pending[nxt].arrival <= now:
             r = pending[nxt]
             params = SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)
-            groups[r.id] = llm.add_request(str(r.id), prompts[r.id], params,
-                                           arrival_time=origin + r.arrival)
+            running[r.id] = llm.add_request(str(r.id), prompts[r.id], params)
             nxt += 1
         steps.append(timed_step(llm, origin, clock))
+        end = steps[-1].start + steps[-1].duration
+        for rid, group in list(running.items()):
+            if rid not in first and any(s.output_token_ids for s in group.seqs):
+                first[rid] = end
+            if group.is_finished:
+                if group.error is not None:
+                    raise RuntimeError(f"request {rid} failed in the replay: {group.error}")
+                finish[rid] = end
+                del running[rid]
     timings = []
     for r in requests:
-        m = groups[r.id].metrics
-        tpot = m.time_per_output_token(r.output_len)
+        tpot = (finish[r.id] - first[r.id]) / (r.output_len - 1) if r.output_len > 1 else math.nan
         timings.append(RequestTiming(r.id, r.arrival, r.prompt_len, r.output_len,
-                                     m.time_to_first_token, math.nan if tpot is None else tpot,
-                                     m.finished_time - m.arrival_time))
+                                     first[r.id] - r.arrival, tpot, finish[r.id] - r.arrival))
     return Replay(timings, steps, EngineSettings.of(llm))
 
 
