@@ -10,7 +10,7 @@ RUN := bash tools/under_load.sh $(LOAD)
 # spin while they wait for each other, and a step can take ten times as long.
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: book test pytest notebooks mutation clean
+.PHONY: book test unit pytest notebooks mutation clean
 
 $(READY): pyproject.toml tools/setup_env.sh
 	VENV=$(VENV) bash tools/setup_env.sh
@@ -20,10 +20,18 @@ $(READY): pyproject.toml tools/setup_env.sh
 book: $(READY)
 	$(RUN) $(BIN)/jupyter-book build . --warningiserror --nitpick --keep-going
 
-# The whole suite: the book build (every chapter executed), then unit and property tests and
-# the assignment grader's tests (tests/test_grade.py grades every solution notebook).
-test: book pytest
+# The whole suite: the book build (every chapter executed) side by side with the unit and
+# property tests and the assignment grader's tests (tests/test_grade.py grades every solution
+# notebook), which read nothing the build writes; then the browser test of the built book.
+# Side by side, the two take about as long as the book alone, idle machine or busy.
+test: $(READY)
+	$(RUN) $(MAKE) --no-print-directory --output-sync=target -j2 LOAD=0 book unit
+	$(RUN) $(BIN)/python -m pytest tests/test_browser.py
 
+unit: $(READY)
+	$(BIN)/python -m pytest --ignore=tests/test_browser.py
+
+# Every test, the browser test included (it skips where the book is not built).
 pytest: $(READY)
 	$(RUN) $(BIN)/python -m pytest
 

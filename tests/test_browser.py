@@ -6,6 +6,9 @@ does not scroll, on code cut off on the right, or on a block player whose frame 
 scripts a page loads from a CDN (MathJax, require.js, the widget manager) are served from the
 same versions' npm packages, fetched once into `_build/cdn`, so the test sees what an online
 reader sees without depending on those hosts. Screenshots at 1280 px go to `_build/screenshots`.
+Each chapter's page must also hold its executed outputs and a Colab button to its notebook.
+
+These are the only tests that read the build: `make test` runs the rest beside the build.
 """
 
 from __future__ import annotations
@@ -199,3 +202,11 @@ def test_page_reads_in_a_browser(path, server, browser):
 
 def test_every_chapter_page_was_found():
     assert {p.stem for p in (ROOT / "book").glob("ch*.md")} <= {p.stem for p in PAGES}
+
+
+@pytest.mark.parametrize("chapter", sorted((ROOT / "book").glob("ch*.md")), ids=lambda p: p.stem)
+def test_built_chapter_has_outputs_and_a_colab_button_to_its_notebook(chapter):
+    html = (BUILT / "book" / f"{chapter.stem}.html").read_text()
+    links = set(re.findall(r"colab\.research\.google\.com/github/[^/]+/[^/]+/blob/[^/]+/([^\"]+)", html))
+    assert links == {f"book/{chapter.stem}.ipynb"}
+    assert 'class="output' in html, "no executed output in the built chapter"
