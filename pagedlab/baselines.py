@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagedlab._arith import cdiv
 from pagedlab.sim.traces import sample_lengths
 from pagedlab.timing import Elapsed, stopwatch
 
@@ -120,7 +121,7 @@ def run_continuous_batching(hf, work: Workload, page_size: int = 256) -> Run:
     cache sized to hold the whole workload at once (left to itself it takes 90% of free
     memory, a CPU's RAM included); a Run with a note instead of numbers where this
     transformers lacks it or it fails."""
-    pages = sum(-(-(len(p) + n) // page_size) for p, n in zip(work.prompts, work.output_lens))
+    pages = sum(cdiv(len(p) + n, page_size) for p, n in zip(work.prompts, work.output_lens))
     per_token = kv_bytes_per_token(hf.config, hf.dtype)
     try:
         from transformers import GenerationConfig

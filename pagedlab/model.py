@@ -35,6 +35,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.profiler import record_function
 
 from pagedlab.device import DEVICE, HAS_CUDA
 from pagedlab.kernels.fp8_reference import FP8, dequantize
@@ -273,7 +274,18 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(n, -1, d)  # [n, num_kv_heads, D]
         # The runner built the slots and tables from the manager: checking their values would
         # only cost a device sync per call (check_values=False keeps the shape checks).
-        ops.reshape_and_cache(k, v, key_cache, value_cache, batch.slot_mapping, check_values=False)
+        with record_function("pagedlab::cache_write"):  # scopes pagedlab.profiling reads
+            ops.reshape_and_cache(k, v, key_cache, value_cache, batch.slot_mapping,
+                                  check_values=False)
+        with record_function("pagedlab::attention"):
+            out = self._attend(q, k, v, key_cache, value_cache, batch, ops)  # [n, num_heads, D]
+        return self.o_proj(out.view(n, -1))  # [n, hidden]
+
+    @staticmethod
+    def _attend(q, k, v, key_cache, value_cache, batch: ForwardBatch, ops) -> Tensor:
+        """Every prefill's queries over its prefix and chunk, then every decode's over its
+        cached tokens: [n, num_heads, D]."""
+        n = q.shape[0]
         out = torch.empty_like(q)  # [n, num_heads, D]
         first = batch.num_prefill_tokens
         if first and hasattr(ops, "paged_attention_varlen"):  # Triton: every prefill, one launch
@@ -299,7 +311,7 @@ class Attention(nn.Module):
                 q[first:], key_cache, value_cache, batch.block_tables, batch.seq_lens,
                 check_values=False,
             )  # [num_decodes, num_heads, D]
-        return self.o_proj(out.view(n, -1))  # [n, hidden]
+        return out
 
 
 class MLP(nn.Module):

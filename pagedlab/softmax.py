@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from pagedlab._arith import cdiv
+
 __all__ = [
     "naive_softmax",
     "block_stats",
@@ -80,7 +82,7 @@ def _split_blocks(x: Tensor, block_size: int, dim: int, fill: float) -> Tensor:
     Padding with -inf (logits) or 0 (values) makes the padded slots contribute nothing.
     """
     n = x.shape[dim]
-    num_blocks = -(-n // block_size)
+    num_blocks = cdiv(n, block_size)
     pad = [0, 0] * (-dim - 1) + [0, num_blocks * block_size - n]
     return F.pad(x, pad, value=fill).unflatten(dim, (num_blocks, block_size))
 

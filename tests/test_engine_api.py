@@ -5,6 +5,8 @@ import pytest
 from _tiny import random_prompts, tiny_hf
 
 from pagedlab import LLM, SamplingParams
+from pagedlab.engine import PromptTooLong
+from pagedlab.engine.runner import block_bytes
 from pagedlab.model import from_hf
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10)
@@ -79,17 +81,67 @@ def test_request_ids_must_be_unique_while_running(model):
     assert llm.manager.num_used_blocks == 0
 
 
-def test_a_growing_cache_keeps_its_blocks_and_cached_prefixes(model):
-    """On a CPU the cache grows to each call's needs; growing keeps every cached prefix."""
-    shared = random_prompts([8], model.args.vocab_size, seed=5)[0]  # two full blocks of 4
-    prompts = [shared + tail for tail in random_prompts([3, 4, 5, 6], model.args.vocab_size)]
-    expected = [o.outputs[0].token_ids for o in LLM(model, block_size=4, num_gpu_blocks=64)
-                .generate(prompts, GREEDY, use_tqdm=False)]
-    llm = LLM(model, block_size=4, enable_prefix_caching=True)
-    first = llm.generate(prompts[:1], GREEDY, use_tqdm=False)
-    small = llm.manager.num_gpu_blocks
-    rest = llm.generate(prompts[1:], GREEDY, use_tqdm=False)
-    assert llm.manager.num_gpu_blocks > small
-    assert llm.stats.prefix_hits == 3 * 8  # each later prompt found the first one's blocks
-    assert [o.outputs[0].token_ids for o in first + rest] == expected
-    llm.manager.check_invariants()
+def test_the_engine_api_batches_every_request_it_was_given(model):
+    """The cache is sized once, at construction: 32 requests added one by one all decode
+    together in every decode step (a cache grown to one request's needs ran them 1-3 at a
+    time)."""
+    llm = LLM(model, block_size=4)
+    prompts = random_prompts([5 + i % 7 for i in range(32)], model.args.vocab_size, seed=3)
+    for i, prompt in enumerate(prompts):
+        llm.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=6,
+                                                       ignore_eos=True))
+    decode_steps = 0
+    while llm.has_unfinished_requests():
+        unfinished = len(llm.scheduler.unfinished)
+        llm.step()
+        step = llm.last_step
+        if step.decodes:
+            decode_steps += 1
+            assert len(step.decodes) + len(step.prefills) == unfinished
+    assert decode_steps == 5  # 6 tokens: the first from the prefill, 5 decode steps
+    assert llm.manager.num_used_blocks == 0
+
+
+def test_the_cache_budget_comes_from_the_argument_or_the_environment(model, monkeypatch):
+    per_block = block_bytes(model, 4)
+    assert LLM(model, block_size=4, kv_cache_memory_bytes=10 * per_block + 1
+               ).manager.num_gpu_blocks == 10
+    monkeypatch.setenv("PAGEDLAB_CPU_KVCACHE_SPACE", "0.001")
+    assert LLM(model, block_size=4).manager.num_gpu_blocks == int(0.001 * 2**30) // per_block
+    monkeypatch.setenv("PAGEDLAB_CPU_KVCACHE_SPACE", "lots")
+    with pytest.raises(ValueError, match="PAGEDLAB_CPU_KVCACHE_SPACE='lots' must be a positive"):
+        LLM(model, block_size=4)
+    monkeypatch.delenv("PAGEDLAB_CPU_KVCACHE_SPACE")
+    with pytest.raises(ValueError, match="no room for one KV block of"):
+        LLM(model, block_size=4, kv_cache_memory_bytes=per_block - 1)
+    full = LLM(model, block_size=4, max_num_seqs=3)  # 3 sequences of 512 tokens at most
+    assert full.manager.num_gpu_blocks == 3 * 512 // 4
+
+
+def test_a_fresh_cache_may_hold_anything(model):
+    """The cache is torch.empty: what it held before a block is written must never reach an
+    output, NaN included (the padding of a batch reads slots no sequence owns)."""
+    prompts = random_prompts([3, 9, 14], model.args.vocab_size, seed=4)
+    clean = LLM(model, block_size=4, num_gpu_blocks=32)
+    for caches in clean.runner.kv_caches:
+        for cache in caches:
+            cache.zero_()
+    dirty = LLM(model, block_size=4, num_gpu_blocks=32)
+    for caches in dirty.runner.kv_caches:
+        for cache in caches:
+            cache.fill_(float("nan"))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in clean.generate(prompts, params, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in dirty.generate(prompts, params, use_tqdm=False)
+            ] == expected
+
+
+def test_a_prompt_must_leave_room_for_one_token_within_max_model_len(model):
+    """A prompt of max_model_len tokens could generate nothing: it fails alone; one token
+    shorter generates exactly one token."""
+    llm = LLM(model, block_size=4, num_gpu_blocks=64, max_model_len=12)
+    full, room = random_prompts([12, 11], model.args.vocab_size, seed=6)
+    with pytest.raises(PromptTooLong, match=r"prompt of 12 tokens .* max_model_len=12"):
+        llm.add_request("full", full, GREEDY)
+    (out,) = llm.generate([room], GREEDY, use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 1 and out.outputs[0].finish_reason == "length"

@@ -144,20 +144,6 @@ def test_an_error_without_an_owner_says_a_request():
     assert str(OutOfBlocks(3, 1, "gpu")) == "a request needs 3 blocks, pool 'gpu' has 1 free"
 
 
-def test_a_pool_grows_but_never_shrinks():
-    allocator = BlockAllocator(2)
-    allocator.grow(2)  # the same size: nothing changes
-    assert allocator.num_blocks == 2 and allocator.num_free == 2
-    allocator.grow(3)
-    assert allocator.allocate(3) == [0, 1, 2]  # the new block is handed out last
-    for size, message in ((2, r"^pool 'gpu' can only grow: 2 < 3$"),
-                          (2.5, r"^num_blocks=2.5 must be an integer"),
-                          (0, r"^num_blocks=0 must be > 0")):
-        with pytest.raises(ValueError, match=message):
-            allocator.grow(size)
-    assert allocator.num_blocks == 3
-
-
 def test_only_a_parked_block_can_be_unparked():
     allocator = BlockAllocator(3)
     (used,) = allocator.allocate(1)

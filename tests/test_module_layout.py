@@ -1,12 +1,15 @@
 """One way through the modules: the scheduler and the simulator load neither the model nor the
 Triton kernels, and every name the engine package exports resolves to its module's object."""
 
+import ast
 import importlib
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+import pagedlab
 import pagedlab.engine
 
 HEAVY = ("pagedlab.model", "pagedlab.kernels", "pagedlab.engine.runner", "pagedlab.engine.llm",
@@ -31,6 +34,17 @@ def test_every_engine_export_is_its_modules_object():
 
 
 def test_the_fp8_dtype_has_one_home():
+    """Only pagedlab.dtypes binds FP8 to a torch dtype; every other module imports it. (Any two
+    bindings of torch.float8_e4m3fn are the same object, so identity cannot tell: read the
+    sources.)"""
+    homes = []
+    for path in sorted(Path(pagedlab.__file__).parent.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = (node.targets if isinstance(node, ast.Assign)
+                       else [node.target] if isinstance(node, ast.AnnAssign) else [])
+            if any(isinstance(t, ast.Name) and t.id == "FP8" for t in targets):
+                homes.append(path.name)
+    assert homes == ["dtypes.py"]
     from pagedlab import dtypes
     from pagedlab.kernels import fp8, fp8_reference
 

@@ -14,6 +14,7 @@ import torch
 import pagedlab  # noqa: F401  (before transformers: see pagedlab.device)
 from pagedlab import LLM, SamplingParams
 from pagedlab.engine import InvalidPrompt, PromptTooLong
+from pagedlab.engine.runner import block_bytes
 from pagedlab.models import ModelNotInstalled, smollm2
 
 pytestmark = pytest.mark.slow  # a 135M-parameter model on a CPU: about 100 s for the module
@@ -83,9 +84,25 @@ def test_chat_replies_match_transformers(real):
         assert completion.finish_reason == ("stop" if len(ref) < MAX_TOKENS else "length")
     assert [o.prompt for o in outs] == real["texts"]  # the template applied, as text
     assert "Paris" in outs[0].outputs[0].text
-    # on a CPU the cache follows the workload: every request at its longest, at once
-    need = sum(-(-(len(p) + MAX_TOKENS) // 16) for p in real["prompts"])
-    assert llm.manager.num_gpu_blocks == need + 1
+    if llm.model.device.type == "cpu":  # sized once from the CPU's budget: 1 GiB
+        assert llm.manager.num_gpu_blocks == 2**30 // block_bytes(llm.model, 16)
+
+
+def test_the_engine_api_decodes_every_request_in_every_step(real):
+    """32 requests added one by one to a default engine all decode together (a cache sized to
+    the first request, as before, ran them one to three at a time)."""
+    llm = LLM(real["model"])
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for i in range(32):
+        llm.add_request(str(i), real["prompts"][i % len(QUESTIONS)], params)
+    decode_steps = 0
+    while llm.has_unfinished_requests():
+        unfinished = len(llm.scheduler.unfinished)
+        llm.step()
+        if llm.last_step.decodes:
+            decode_steps += 1
+            assert len(llm.last_step.decodes) == unfinished == 32
+    assert decode_steps == 3
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])

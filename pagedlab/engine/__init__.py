@@ -4,7 +4,8 @@
 recomputation or swapping; no tensors, so the simulator drives it too), ``policy`` (the order
 the scheduler serves and preempts in: FCFS, priority, or your own), ``sampling`` and
 ``beams`` (choosing tokens; parallel samples and beams by fork and copy-on-write),
-``runner`` (the KV cache tensors and the model's forward pass), ``stats`` and ``outputs``
+``runner`` (the KV cache tensors and the model's forward pass), ``batch`` (the persistent
+batch of block-table rows), ``stats`` and ``outputs``
 (what a run reports), ``llm`` (the :class:`LLM` facade).
 """
 

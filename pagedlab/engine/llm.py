@@ -21,6 +21,9 @@ import math
 import os
 import time
 
+from torch.profiler import record_function
+
+from pagedlab._arith import cdiv
 from pagedlab._checks import check_positive, lookup_preset
 from pagedlab.engine.beams import BeamSearchOutput, BeamSearchParams
 from pagedlab.engine.outputs import RequestOutput
@@ -63,16 +66,22 @@ class LLM:
     :class:`~pagedlab.engine.scheduler.SchedulerConfig` for the defaults); off, prompts are
     prefilled whole, as the paper's vLLM did.
 
-    ``num_gpu_blocks`` defaults, on CUDA, to what ``gpu_memory_utilization`` leaves; on a CPU,
-    to what each call's requests need at their longest (grown between calls, within
-    ``gpu_memory_utilization`` of 1 GiB). ``swap_space`` (GiB) or ``num_cpu_blocks`` sizes the
+    The cache is allocated once, here, and every API batches in it alike (``generate``, the
+    engine API, a server). ``num_gpu_blocks`` sets its size; by default it is what a memory
+    budget holds: ``kv_cache_memory_bytes`` if given, else on CUDA what
+    ``gpu_memory_utilization`` leaves after the weights, else on a CPU
+    ``$PAGEDLAB_CPU_KVCACHE_SPACE`` GiB (1 GiB unset; vLLM's CPU backend reads
+    ``VLLM_CPU_KVCACHE_SPACE``), and never more than ``max_num_seqs`` sequences of
+    ``max_model_len`` tokens can fill. ``swap_space`` (GiB) or ``num_cpu_blocks`` sizes the
     CPU pool that ``preemption_mode="swap"`` needs; ``kernels``, if given, sets
     ``model.kernels`` ("triton" or "reference"); ``kv_cache_dtype`` is "auto" (the model's
     dtype) or "fp8" (e4m3 caches, half of fp16's bytes, stored with one per-tensor scale
     ``kv_scale`` for keys and values: pagedlab's stand-in for vLLM's ``k_scale``/``v_scale``);
     ``scheduling_policy`` is "fcfs", "priority" (vLLM's names) or any
     :class:`~pagedlab.engine.policy.Policy`; ``record_events`` keeps the manager's event log
-    (``llm.manager.events``).
+    (``llm.manager.events``); ``decode_batch_sizes`` pads every step's decodes with dummy rows
+    up to the smallest of these sizes that holds them, as replaying CUDA graphs captured at
+    those sizes would (vLLM's ``cudagraph_capture_sizes``; no graph is captured here yet).
     """
 
     def __init__(
@@ -83,6 +92,7 @@ class LLM:
         block_size: int = 16,
         num_gpu_blocks: int | None = None,
         gpu_memory_utilization: float = 0.9,
+        kv_cache_memory_bytes: int | None = None,
         swap_space: float = 0,
         num_cpu_blocks: int | None = None,
         preemption_mode: str = "recompute",
@@ -96,6 +106,7 @@ class LLM:
         kv_scale: float = 1.0,
         scheduling_policy: str | Policy = "fcfs",
         record_events: bool = False,
+        decode_batch_sizes: tuple[int, ...] = (),
     ):
         check_positive("block_size", block_size, integer=True)
         if not (isinstance(gpu_memory_utilization, (int, float)) and 0 < gpu_memory_utilization <= 1):
@@ -105,6 +116,7 @@ class LLM:
             raise ValueError(f"swap_space={swap_space!r} must be a finite number of GiB")
         for name, value in (("num_gpu_blocks", num_gpu_blocks), ("num_cpu_blocks", num_cpu_blocks),
                             ("max_num_batched_tokens", max_num_batched_tokens),
+                            ("kv_cache_memory_bytes", kv_cache_memory_bytes),
                             ("max_model_len", max_model_len)):
             if value is not None:
                 check_positive(name, value, integer=True, allow_zero=name == "num_cpu_blocks")
@@ -112,6 +124,8 @@ class LLM:
             raise ValueError(f"preemption_mode={preemption_mode!r} must be one of {PREEMPTION_MODES}")
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} must be one of {KV_CACHE_DTYPES}")
+        for size in decode_batch_sizes:
+            check_positive("decode_batch_sizes", size, integer=True)
         check_positive("kv_scale", kv_scale)
         if not math.isfinite(kv_scale):
             raise ValueError(f"kv_scale={kv_scale!r} must be finite and > 0")
@@ -130,12 +144,13 @@ class LLM:
         self.tokenizer = _load_tokenizer(tokenizer)
         self.max_model_len = max_model_len or model.args.max_position_embeddings
         self.block_size, self.kv_cache_dtype = block_size, kv_cache_dtype
-        self._auto_blocks = num_gpu_blocks is None and model.device.type != "cuda"
         if num_gpu_blocks is None:
             num_gpu_blocks = profile_num_blocks(
-                model, block_size, gpu_memory_utilization, kv_cache_dtype
+                model, block_size, gpu_memory_utilization, kv_cache_dtype, kv_cache_memory_bytes
             )
-        self._max_blocks = num_gpu_blocks  # what an auto-sized cache may grow to
+            if self.max_model_len is not None:  # blocks past these could never be used
+                num_gpu_blocks = min(num_gpu_blocks,
+                                     max_num_seqs * cdiv(self.max_model_len, block_size))
         if num_cpu_blocks is None:
             per_block = block_bytes(model, block_size, kv_cache_dtype)
             num_cpu_blocks = int(swap_space * (1 << 30) // per_block)
@@ -151,12 +166,12 @@ class LLM:
                                  "policies"),
         )
         self.manager = KVCacheManager(
-            1 if self._auto_blocks else num_gpu_blocks, block_size, num_cpu_blocks,
+            num_gpu_blocks, block_size, num_cpu_blocks,
             enable_prefix_caching, record_events=record_events,
         )
         self.scheduler = Scheduler(self.manager, self.config)
         self.runner = ModelRunner(model, block_size, self.manager.num_gpu_blocks, num_cpu_blocks,
-                                  kv_cache_dtype, kv_scale)
+                                  kv_cache_dtype, kv_scale, decode_batch_sizes)
         self.sampler = Sampler()
         self.stats: EngineStats | None = None  # of the last call
         self.last_step: Step | None = None  # the last step's batch: what a timed replay reads
@@ -217,8 +232,6 @@ class LLM:
             raise prompt
         ids, text = prompt_token_ids(prompt, request_id, self.tokenizer)
         self._check_prompt(request_id, ids, params)
-        if self._auto_blocks:
-            self._reserve(ids, params)
         stop = set() if params.ignore_eos else set(self.model.args.eos_token_ids)
         check = None
         if isinstance(params, SamplingParams):
@@ -259,13 +272,16 @@ class LLM:
         """One transactional step: on any error, abort everything in flight and forget the
         blocks cached before their keys and values were written, then re-raise."""
         try:
-            step = self.scheduler.schedule()
+            with record_function("pagedlab::schedule"):  # scopes pagedlab.profiling reads
+                step = self.scheduler.schedule()
             outputs = []
             if not step.is_empty:
                 logits = self.runner.execute(step)  # [num_sampled, vocab]
-                rows = {seq.seq_id: i for i, seq in enumerate(step.seqs)}
-                outputs = self.sampler(step.sampled_groups, rows, logits)
-            self.scheduler.update(outputs)
+                with record_function("pagedlab::sample"):
+                    rows = {seq.seq_id: i for i, seq in enumerate(step.seqs)}
+                    outputs = self.sampler(step.sampled_groups, rows, logits)
+            with record_function("pagedlab::update"):
+                self.scheduler.update(outputs)
         except BaseException:
             self.scheduler.abort_all()
             self.manager.rollback()
@@ -280,8 +296,6 @@ class LLM:
     def _run(self, requests, use_tqdm: bool):
         """Add the requests (each failing alone), step until all are done; return the outputs
         and the groups by request id."""
-        if self._auto_blocks and not self.scheduler.has_unfinished:
-            self._grow(requests)
         stats = self.stats = EngineStats(self.manager.num_gpu_blocks, num_requests=len(requests))
         prefix_before = self.manager.prefix_stats
         start = time.perf_counter()
@@ -342,39 +356,6 @@ class LLM:
                 f"request {request_id!r}: prompt ({len(ids)}) + max_tokens "
                 f"({params.max_tokens}) exceeds max_model_len={limit} for beam search"
             )
-
-    def _blocks_for(self, ids: list[int], params) -> int:
-        """GPU blocks a request takes at its longest: each sequence's prompt and outputs."""
-        longest = len(ids) + params.max_tokens
-        if self.max_model_len is not None:
-            longest = min(longest, self.max_model_len)
-        return params.width * -(-longest // self.block_size)
-
-    def _grow(self, requests) -> None:
-        """Size an auto-sized cache (a CPU's) to hold a call's requests all at once, at their
-        longest, within the memory budget; it only grows, and only while idle."""
-        need = 0
-        for i, (prompt, params, _) in enumerate(requests):
-            try:
-                ids, _ = prompt_token_ids(prompt, str(i), self.tokenizer)
-            except (InvalidPrompt, TypeError):
-                continue  # add_request reports it
-            if isinstance(params, (SamplingParams, BeamSearchParams)):
-                need += self._blocks_for(ids, params)
-        self._grow_to(need + 1)  # one above the 1% watermark of small caches
-
-    def _reserve(self, ids: list[int], params) -> None:
-        """An auto-sized cache grows, while idle, to hold a request added on its own."""
-        if not self.scheduler.has_unfinished:
-            self._grow_to(self._blocks_for(ids, params) + 1)
-
-    def _grow_to(self, num_gpu_blocks: int) -> None:
-        """Grow the cache, within the budget, keeping its blocks (and cached prefixes)."""
-        num_gpu_blocks = min(num_gpu_blocks, self._max_blocks)
-        if num_gpu_blocks > self.manager.num_gpu_blocks:
-            self.manager.grow(num_gpu_blocks)
-            self.runner.grow(num_gpu_blocks)
-
 
     def _check_no_leak(self) -> None:
         """Every block must be free or parked once no request is left."""

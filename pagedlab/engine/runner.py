@@ -13,15 +13,20 @@ in the model's dtype.
 from __future__ import annotations
 
 import itertools
+import math
+import os
 
 import torch
 from torch import Tensor
+from torch.profiler import record_function
 
+from pagedlab.engine.batch import PersistentBatch
 from pagedlab.engine.scheduler import Step
 from pagedlab.kernels.fp8_reference import FP8
 from pagedlab.model import ForwardBatch, PagedLlama, Prefill
 
-CPU_KV_BYTES = 1 << 30  # KV space on a CPU-only machine: 1 GiB, scaled by gpu_memory_utilization
+CPU_KVCACHE_SPACE = "PAGEDLAB_CPU_KVCACHE_SPACE"  # GiB of KV cache on a CPU (vLLM's CPU backend
+DEFAULT_CPU_KVCACHE_GIB = 1.0  # reads VLLM_CPU_KVCACHE_SPACE the same way); 1 GiB if unset
 KV_CACHE_DTYPES = ("auto", "fp8")
 
 
@@ -41,23 +46,39 @@ def block_bytes(model: PagedLlama, block_size: int, kv_cache_dtype: str = "auto"
     return block_size * 2 * a.num_layers * a.num_kv_heads * a.head_dim * itemsize
 
 
+def cpu_kv_cache_bytes() -> int:
+    """The KV budget on a CPU: ``$PAGEDLAB_CPU_KVCACHE_SPACE`` GiB, else 1 GiB."""
+    text = os.environ.get(CPU_KVCACHE_SPACE, "").strip()
+    try:
+        gib = float(text) if text else DEFAULT_CPU_KVCACHE_GIB
+    except ValueError:
+        gib = math.nan
+    if not (math.isfinite(gib) and gib > 0):
+        raise ValueError(f"{CPU_KVCACHE_SPACE}={text!r} must be a positive number of GiB")
+    return int(gib * (1 << 30))
+
+
 def profile_num_blocks(
-    model: PagedLlama, block_size: int, gpu_memory_utilization: float, kv_cache_dtype: str = "auto"
+    model: PagedLlama, block_size: int, gpu_memory_utilization: float,
+    kv_cache_dtype: str = "auto", kv_cache_memory_bytes: int | None = None,
 ) -> int:
-    """GPU blocks that fit: on CUDA, the free memory above a ``1 - utilization`` headroom left
-    for activations and other processes; on a CPU, a share of :data:`CPU_KV_BYTES`."""
+    """GPU blocks the engine allocates once, at start-up: ``kv_cache_memory_bytes`` if given;
+    else, on CUDA, the free memory above a ``1 - utilization`` headroom left for activations
+    and other processes; on a CPU, :func:`cpu_kv_cache_bytes`."""
     per_block = block_bytes(model, block_size, kv_cache_dtype)
-    if model.device.type == "cuda":
+    if kv_cache_memory_bytes is not None:
+        kv_bytes, where = kv_cache_memory_bytes, "kv_cache_memory_bytes"
+    elif model.device.type == "cuda":
         free, total = torch.cuda.mem_get_info(model.device)
         kv_bytes = free - (1 - gpu_memory_utilization) * total
-        where = f"{free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB on {model.device}"
+        where = (f"gpu_memory_utilization={gpu_memory_utilization}: {free / 2**30:.1f} GiB "
+                 f"free of {total / 2**30:.1f} GiB on {model.device}")
     else:
-        kv_bytes = gpu_memory_utilization * CPU_KV_BYTES
-        where = f"{CPU_KV_BYTES / 2**30:.0f} GiB of CPU KV space"
+        kv_bytes, where = cpu_kv_cache_bytes(), f"{CPU_KVCACHE_SPACE} on a CPU"
     if kv_bytes < per_block:
         raise ValueError(
-            f"gpu_memory_utilization={gpu_memory_utilization} leaves no room for one KV block "
-            f"of {per_block:,} bytes ({where}): raise it, or pass num_gpu_blocks"
+            f"{where} leaves {max(kv_bytes, 0) / 2**20:.1f} MiB, no room for one KV block of "
+            f"{per_block:,} bytes: give more, or pass num_gpu_blocks"
         )
     return int(kv_bytes // per_block)
 
@@ -72,7 +93,8 @@ def _movable(cache: Tensor) -> Tensor:
 
 class ModelRunner:
     """Per-layer key and value caches on the model's device, their CPU swap space, and the
-    forward pass of a step."""
+    forward pass of a step; ``decode_batch_sizes`` pads each step's decodes to one of those
+    sizes (the shapes CUDA graphs are captured at; padding must change no token)."""
 
     def __init__(
         self,
@@ -82,8 +104,10 @@ class ModelRunner:
         num_cpu_blocks: int,
         kv_cache_dtype: str = "auto",
         kv_scale: float = 1.0,
+        decode_batch_sizes: tuple[int, ...] = (),
     ):
         self.model = model
+        self.decode_batch_sizes = tuple(sorted(decode_batch_sizes))
         a = model.args
         shape = (block_size, a.num_kv_heads, a.head_dim)  # one block
         dev, pin = model.device, model.device.type == "cuda"
@@ -94,32 +118,26 @@ class ModelRunner:
             else torch.tensor(kv_scale, dtype=torch.float32, device=dev)
         )
 
-        def caches(num_blocks, device, pin_memory=False):
+        def caches(num_blocks, device, pin_memory=False):  # empty: pages cost when first written
             return [
-                tuple(torch.zeros(num_blocks, *shape, dtype=dtype, device=device,
+                tuple(torch.empty(num_blocks, *shape, dtype=dtype, device=device,
                                   pin_memory=pin_memory) for _ in "kv")
                 for _ in range(a.num_layers)
             ]  # per layer: [num_blocks, block_size, num_kv_heads, head_dim] twice
 
-        self._caches = caches
         self.kv_caches = caches(num_gpu_blocks, dev)
         self.cpu_caches = caches(num_cpu_blocks, "cpu", pin)
-
-    def grow(self, num_gpu_blocks: int) -> None:
-        """Larger GPU caches holding the same blocks under the same ids."""
-        bigger = self._caches(num_gpu_blocks, self.model.device)
-        for old_layer, new_layer in zip(self.kv_caches, bigger):
-            for old, new in zip(old_layer, new_layer):
-                new[: old.shape[0]] = old
-        self.kv_caches = bigger
+        self.batch = PersistentBatch(dev)  # the block tables of the sequences in the batch
 
     def execute(self, step: Step) -> Tensor:
         """Run ``step``; return fp32 logits [num_sampled, vocab] in the order of ``step.seqs``
         (a chunk that does not reach its sequence's end samples nothing)."""
-        self._move_blocks(step)
-        batch, last = self.prepare(step)
-        hidden = self.model(batch, self.kv_caches, self.kv_scale)  # [num_tokens, hidden]
-        return self.model.compute_logits(hidden[last])
+        with record_function("pagedlab::prepare"):  # a scope pagedlab.profiling reads
+            batch, last = self.prepare(step)
+        with record_function("pagedlab::forward"):
+            self._move_blocks(step)
+            hidden = self.model(batch, self.kv_caches, self.kv_scale)  # [num_tokens, hidden]
+            return self.model.compute_logits(hidden[last])
 
     def _move_blocks(self, step: Step) -> None:
         """Swaps first, then copy-on-write: the order the manager's docstring requires."""
@@ -142,14 +160,10 @@ class ModelRunner:
 
     def prepare(self, step: Step) -> tuple[ForwardBatch, Tensor]:
         """The step as tensors, and the row of each sampling chunk's last token (its logits).
-        Everything comes from the step's chunks: the runner never asks the manager."""
+        Everything comes from the step's chunks: the runner never asks the manager. Block
+        tables come from the persistent batch, which writes only what changed."""
         def tensor(values, dtype):
             return torch.tensor(values, dtype=dtype, device=self.model.device)
-
-        def padded(tables):  # int32 [len(tables), longest]; block 0 pads, never read
-            width = max(map(len, tables), default=0)
-            return tensor([t + [0] * (width - len(t)) for t in tables], torch.int32).view(
-                len(tables), width)
 
         ids, positions, slots, last = [], [], [], []
         for chunk in step.chunks:  # prefill chunks, then decodes
@@ -158,7 +172,16 @@ class ModelRunner:
             slots += chunk.slots
             if chunk.samples:
                 last.append(len(ids) - 1)
-        prefill_tables = padded([c.block_table for c in step.prefills])
+        rows = self.batch.update(step.chunks)
+        num_prefills, seq_lens = len(step.prefills), [c.context_len for c in step.decodes]
+        decode_tables = self.batch.gather(rows[num_prefills:])  # [num_decodes, longest]
+        pad = self._padding(len(step.decodes))
+        if pad:  # dummy decodes: token 0 at position 0, written nowhere, reading one slot
+            ids, positions, slots = ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad
+            seq_lens += [1] * pad
+            decode_tables = torch.cat([decode_tables,
+                                       decode_tables.new_zeros(pad, decode_tables.shape[1])])
+        prefill_tables = self.batch.gather(rows[:num_prefills])  # [num_prefills, longest]
         starts = [0, *itertools.accumulate(c.num_tokens for c in step.prefills)]  # rows
         prefills = [Prefill(starts[i], starts[i + 1], c.start, prefill_tables[i])
                     for i, c in enumerate(step.prefills)]
@@ -167,10 +190,18 @@ class ModelRunner:
             positions=tensor(positions, torch.int64),  # [num_tokens]
             slot_mapping=tensor(slots, torch.int64),  # [num_tokens]
             prefills=prefills,
-            block_tables=padded([c.block_table for c in step.decodes]),  # [num_decodes, longest]
-            seq_lens=tensor([c.context_len for c in step.decodes], torch.int32),  # [num_decodes]
+            block_tables=decode_tables,  # [num_decodes (+ padding), longest]
+            seq_lens=tensor(seq_lens, torch.int32),  # [num_decodes (+ padding)]
             prefill_start_loc=tensor(starts, torch.int32),  # [num_prefills + 1]
             prefill_lens=tensor([c.context_len for c in step.prefills], torch.int32),
-            prefill_tables=prefill_tables,  # [num_prefills, longest]
+            prefill_tables=prefill_tables,
         )
         return batch, tensor(last, torch.int64)
+
+    def _padding(self, num_decodes: int) -> int:
+        """Dummy decodes that bring the batch to the smallest of ``decode_batch_sizes`` that
+        holds it (none if no size does): the fixed shapes a captured CUDA graph replays at."""
+        if num_decodes == 0:
+            return 0
+        size = next((s for s in self.decode_batch_sizes if s >= num_decodes), num_decodes)
+        return size - num_decodes

@@ -88,48 +88,98 @@ class SamplingParams:
         return [torch.Generator(device=device).manual_seed(self.seed + i) for i in range(self.n)]
 
 
-def sample_token(logits: Tensor, params: SamplingParams, generator) -> int:
-    """One token from logits [vocab] after temperature, top-k and top-p."""
-    if params.greedy:
-        return int(logits.argmax())
-    logits = logits / params.temperature  # [vocab]
-    if 0 < params.top_k < logits.numel():
-        kth = logits.topk(params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1:
-        sorted_logits, order = logits.sort(descending=True)  # [vocab] each
-        probs = sorted_logits.softmax(-1)
-        drop = probs.cumsum(-1) - probs > params.top_p  # mass before a token already > top_p
-        drop = torch.zeros_like(drop).scatter(0, order, drop)  # back to vocabulary order
+def sample_tokens(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor,
+                  generators) -> Tensor:
+    """One token per row of ``logits`` [rows, vocab], each row with its own ``temperature``,
+    ``top_k`` (<= 0: off) and ``top_p`` ([rows] each) and generator (None: torch's global one).
+
+    Top-k keeps a row's k largest logits, top-p then keeps the smallest set of those whose
+    probabilities (renormalized) reach p. The draw is an exponential race: with E_i ~ Exp(1)
+    independent, ``argmax_i p_i / E_i`` is token i with probability p_i, so one noise tensor
+    and one argmax sample the whole batch; only the noise is drawn row by row, for rows that
+    carry their own generator.
+    """
+    rows, vocab = logits.shape
+    logits = logits / temperature[:, None]  # [rows, vocab]
+    order = None
+    if bool((top_k > 0).any()) or bool((top_p < 1).any()):
+        logits, order = logits.sort(-1, descending=True)  # [rows, vocab] each
+        k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)  # [rows]
+        ranks = torch.arange(vocab, device=logits.device)
+        logits = logits.masked_fill(ranks >= k[:, None], float("-inf"))
+        probs = logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs > top_p[:, None]  # mass before a token already > p
         logits = logits.masked_fill(drop, float("-inf"))
-    probs = logits.softmax(-1)  # [vocab]
-    return int(torch.multinomial(probs, 1, generator=generator))
+    probs = logits.softmax(-1)  # [rows, vocab]
+    noise = torch.empty_like(probs)
+    own = [i for i, g in enumerate(generators) if g is not None]
+    for i in own:
+        noise[i].exponential_(generator=generators[i])
+    if len(own) < rows:
+        shared = torch.ones(rows, dtype=torch.bool, device=logits.device)
+        shared[own] = False
+        noise[shared] = torch.empty_like(noise[shared]).exponential_()
+    tokens = (probs / noise).argmax(-1)  # [rows]
+    return tokens if order is None else order.gather(1, tokens[:, None])[:, 0]
 
 
 class Sampler:
-    """Turns a step's logits into each group's children (the model-side half of a step)."""
+    """Turns a step's logits into each group's children (the model-side half of a step).
+
+    Batched: one ``log_softmax`` and one ``argmax`` over the whole batch (a greedy row reads
+    its token from the second), one :func:`sample_tokens` for every random draw. A seeded
+    draw takes its noise from its request's own generator, so it does not depend on its batch.
+    """
 
     def __call__(self, groups: list[SequenceGroup], rows: dict[int, int], logits: Tensor):
         """``rows`` maps a sequence id to its row of ``logits`` [num_seqs, vocab] (fp32)."""
         logprobs = logits.log_softmax(-1)  # [num_seqs, vocab]
-        return [self._group(g, rows, logits, logprobs) for g in groups]
-
-    def _group(self, group, rows, logits, logprobs) -> GroupOutput:
-        seqs = group.live
-        if group.is_beam_search:
-            return beam_step(group, seqs, logprobs[[rows[s.seq_id] for s in seqs]])
-        if not group.is_prefilled:  # the prompt's logits give all n samples
-            (seq,) = seqs
-            draws = [(seq, generator) for generator in group.generators]
-        else:
-            draws = [(s, group.generators[s.index]) for s in seqs]
-        children, k = [], group.params.logprobs
-        for seq, generator in draws:
-            row = rows[seq.seq_id]
-            token = sample_token(logits[row], group.params, generator)
+        draws, outputs = [], []  # draws: (group, seq, row, generator) of every sampled child
+        for group in groups:
+            seqs = group.live
+            if group.is_beam_search:
+                outputs.append(beam_step(group, seqs, logprobs[[rows[s.seq_id] for s in seqs]]))
+                continue
+            if not group.is_prefilled:  # the prompt's logits give all n samples
+                (seq,) = seqs
+                pairs = [(seq, generator) for generator in group.generators]
+            else:
+                pairs = [(s, group.generators[s.index]) for s in seqs]
+            draws += [(group, seq, rows[seq.seq_id], gen) for seq, gen in pairs]
+            outputs.append(GroupOutput(group, []))
+        children = {id(out.group): out.children for out in outputs}
+        for (group, seq, row, _), token in zip(draws, self._tokens(logits, draws)):
+            k = group.params.logprobs
             top = None if k is None else top_logprobs(logprobs[row], k, token)
-            children.append(SequenceOutput(seq, token, float(logprobs[row, token]), top))
-        return GroupOutput(group, children)
+            children[id(group)].append(SequenceOutput(seq, token, float(logprobs[row, token]), top))
+        return outputs
+
+    @staticmethod
+    def _tokens(logits: Tensor, draws) -> list[int]:
+        """Each draw's token: greedy ones from one argmax, random ones from one sample_tokens."""
+        tokens = [0] * len(draws)
+        greedy = [i for i, (group, *_) in enumerate(draws) if group.params.greedy]
+        if greedy:
+            best = logits.argmax(-1).tolist()  # [num_seqs]
+            for i in greedy:
+                tokens[i] = best[draws[i][2]]
+        random = [i for i in range(len(draws)) if not draws[i][0].params.greedy]
+        if random:
+            params = [draws[i][0].params for i in random]
+
+            def column(values, dtype):  # [num_random]
+                return torch.tensor(values, dtype=dtype, device=logits.device)
+
+            picked = sample_tokens(
+                logits[column([draws[i][2] for i in random], torch.int64)],
+                column([p.temperature for p in params], logits.dtype),
+                column([p.top_k for p in params], torch.int64),
+                column([p.top_p for p in params], logits.dtype),
+                [draws[i][3] for i in random],
+            )
+            for i, token in zip(random, picked.tolist()):
+                tokens[i] = token
+        return tokens
 
 
 def top_logprobs(logprobs: Tensor, k: int, token: int) -> dict[int, float]:

@@ -50,6 +50,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from pagedlab._arith import cdiv
 from pagedlab._checks import check_positive
 from pagedlab.engine.beams import BeamSearchParams
 from pagedlab.engine.policy import FCFS, Policy, enqueue, ranked
@@ -144,9 +145,8 @@ class Chunk:
     def of(cls, manager: KVCacheManager, seq: Sequence, start: int, num_tokens: int,
            is_decode: bool = False) -> Chunk:
         """``num_tokens`` tokens of ``seq`` from ``start``, once ``manager`` holds them."""
-        table, bs = manager.block_table(seq.seq_id), manager.block_size
-        slots = [table[p // bs] * bs + p % bs for p in range(start, start + num_tokens)]
-        return cls(seq, start, num_tokens, table, slots, is_decode)
+        slots = manager.slot_mapping(seq.seq_id, start, start + num_tokens)
+        return cls(seq, start, num_tokens, manager.block_table(seq.seq_id), slots, is_decode)
 
     @property
     def context_len(self) -> int:
@@ -249,10 +249,10 @@ class Scheduler:
             )
         bs = self.manager.block_size
         capacity = self.manager.num_gpu_blocks - self.watermark_blocks
-        if -(-len(prompt) // bs) > capacity:
+        if cdiv(len(prompt), bs) > capacity:
             raise CacheTooSmall(
                 f"request {request_id!r}: its prompt of {len(prompt)} tokens needs "
-                f"{-(-len(prompt) // bs)} blocks of {bs} tokens, but admission can use at most "
+                f"{cdiv(len(prompt), bs)} blocks of {bs} tokens, but admission can use at most "
                 f"{capacity} ({self.manager.num_gpu_blocks} blocks, {self.watermark_blocks} kept "
                 "free as the watermark)"
             )
@@ -424,7 +424,7 @@ class Scheduler:
                     n = min(n, budget)
                 elif n > budget and not step.is_empty:  # too big for the budget: runs alone
                     return
-                if not n or not self._can_resume(group, -(-(hits + n) // self.manager.block_size)):
+                if not n or not self._can_resume(group, cdiv(hits + n, self.manager.block_size)):
                     return
                 self.waiting.popleft()
                 self.manager.allocate(seq.seq_id, seq.token_ids[: hits + n], prompt_len=len(seq))
@@ -537,8 +537,8 @@ class Scheduler:
             return group.blocks_to_swap_in
         bs, shared = self.manager.block_size, self._shared_prompt(group)
         if len(group.live) == 1 and self.config.chunked_prefill:
-            return -(-min(len(group.live[0]), self.config.token_budget) // bs)
-        return shared // bs + sum(-(-(len(seq) - shared) // bs) for seq in group.live)
+            return cdiv(min(len(group.live[0]), self.config.token_budget), bs)
+        return shared // bs + sum(cdiv(len(seq) - shared, bs) for seq in group.live)
 
     def _can_resume(self, group: SequenceGroup, blocks: int) -> bool:
         """Would a waiting or swapped group's ``blocks`` fit now above the watermark, and its

@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedlab._arith import cdiv
 from pagedlab._checks import check_positive
 from pagedlab.device import INTERPRET
 from pagedlab.kernels.tiles import (
@@ -208,7 +209,7 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, num_sm
     target = 2 * num_sms
     if programs >= target:
         return 1
-    wanted = -(-target // programs)
+    wanted = cdiv(target, programs)
     return max(1, min(wanted, max_context // MIN_TOKENS_PER_SPLIT, MAX_SPLITS))
 
 

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from pagedlab._arith import cdiv
 from pagedlab.kernels.validate import (
     check_copy_blocks,
     check_paged_attention,
@@ -25,7 +26,7 @@ from pagedlab.kernels.validate import (
     check_swap_blocks,
 )
 
-__all__ = ["gather_kv", "paged_attention", "reshape_and_cache", "copy_blocks", "swap_blocks"]
+__all__ = ["gather_kv", "token_slots", "paged_attention", "reshape_and_cache", "copy_blocks", "swap_blocks"]
 
 
 def gather_kv(cache: Tensor, block_table: Tensor, seq_len: int) -> Tensor:
@@ -34,9 +35,25 @@ def gather_kv(cache: Tensor, block_table: Tensor, seq_len: int) -> Tensor:
     cache [num_blocks, block_size, num_kv_heads, head_dim]; block_table [max_blocks_per_seq].
     """
     block_size = cache.shape[1]
-    num_used = -(-seq_len // block_size)  # blocks holding the sequence, the last maybe partial
+    num_used = cdiv(seq_len, block_size)  # blocks holding the sequence, the last maybe partial
     blocks = block_table[:num_used].long()  # [num_used] physical block ids
     return cache[blocks].flatten(0, 1)[:seq_len]  # [num_used * block_size, H, D] -> [seq_len, H, D]
+
+
+def token_slots(block_tables: Tensor, seq_lens: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
+    """Each sequence's token slots, padded to the longest: (slots int64 [S, T], valid bool [S, T]).
+
+    Token t of sequence s lives in slot ``block_tables[s, t // block_size] * block_size +
+    t % block_size``; a padding position (t >= seq_lens[s]) repeats the slot of the sequence's
+    token 0, so it reads a key and a value the sequence wrote: finite, whatever the cache
+    held before (a fresh cache is ``torch.empty``).
+    """
+    lens = seq_lens.long()  # [S]
+    t = torch.arange(int(lens.max()), device=lens.device)  # [T]
+    valid = t < lens[:, None]  # [S, T]
+    t = torch.where(valid, t, 0)  # [S, T]: padding reads token 0
+    slots = block_tables.long().gather(1, t // block_size) * block_size + t % block_size
+    return slots, valid
 
 
 def paged_attention(
@@ -49,9 +66,11 @@ def paged_attention(
     ``check_values=False`` skips the checks that read seq_lens and block_tables, for a caller
     that built them (every function here takes it, as the Triton ones do).
 
-    The whole batch at once: every sequence's blocks are gathered through its table into a
-    padded [num_seqs, tokens, ...] tensor, and the slots past each sequence's length masked
-    out (their keys and values may be anything, NaN included).
+    The whole batch at once: every sequence's tokens are gathered by slot (one
+    ``index_select`` over the cache viewed as [num_slots, num_kv_heads, head_dim]) into a
+    [num_seqs, T, ...] batch padded to the longest, the padding masked out of the softmax. The
+    query heads that share a KV head stand where SDPA expects query positions, so each KV head
+    is read once for its whole group.
     """
     scale = check_paged_attention(
         query, key_cache, value_cache, block_tables, seq_lens, scale, check_values=check_values
@@ -60,22 +79,18 @@ def paged_attention(
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     if num_seqs == 0:
         return query.new_empty(query.shape)
-    lens = seq_lens.long()  # [num_seqs]
-    width = -(-int(lens.max()) // block_size)  # blocks of the longest sequence
-    used = torch.arange(width, device=lens.device) < -(-lens[:, None] // block_size)  # [S, W]
-    blocks = torch.where(used, block_tables[:, :width].long(), 0)  # [S, W]; unused: block 0
-    keys = key_cache[blocks].flatten(1, 2).float()  # [S, T, num_kv_heads, D], T = W * block_size
-    values = value_cache[blocks].flatten(1, 2).float()
-    valid = torch.arange(keys.shape[1], device=lens.device) < lens[:, None]  # [S, T]
-    invalid = ~valid[:, :, None, None]  # unused slots may hold anything, NaN too: zero them
-    keys.masked_fill_(invalid, 0)  # (in place: the gathers made fresh tensors) since 0 * NaN
-    values.masked_fill_(invalid, 0)  # would be NaN
+    slots, valid = token_slots(block_tables, seq_lens, block_size)  # [S, T] each
+    keys, values = (
+        cache.flatten(0, 1).index_select(0, slots.view(-1))  # a view unless cache is strided
+        .view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2).float()
+        for cache in (key_cache, value_cache)
+    )  # [S, num_kv_heads, T, D] each
+    group = num_heads // num_kv_heads
     out = F.scaled_dot_product_attention(
-        query.float()[:, :, None, :],  # [S, num_heads, 1, D]
-        keys.transpose(1, 2), values.transpose(1, 2),  # [S, num_kv_heads, T, D]
-        attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True,
-    )  # [S, num_heads, 1, D]: softmax over each sequence's own tokens, in fp32
-    return out[:, :, 0].to(query.dtype)
+        query.float().view(num_seqs, num_kv_heads, group, head_dim),  # a group's heads as rows
+        keys, values, attn_mask=valid[:, None, None, :], scale=scale,
+    )  # [S, num_kv_heads, group, D]: softmax over each sequence's own tokens, in fp32
+    return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
 
 
 def reshape_and_cache(
@@ -89,12 +104,13 @@ def reshape_and_cache(
     check_reshape_and_cache(
         key, value, key_cache, value_cache, slot_mapping, check_values=check_values
     )
+    keep = slot_mapping >= 0  # [num_tokens]: padding tokens own no slot
+    if not bool(keep.all()):
+        slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]  # [num_kept, ...]
     block_size = key_cache.shape[1]
-    keep = slot_mapping >= 0  # [num_tokens]
-    slots = slot_mapping[keep]  # [num_kept]
-    blocks, offsets = slots // block_size, slots % block_size  # [num_kept] each
-    key_cache[blocks, offsets] = key[keep]  # [num_kept, num_kv_heads, head_dim]
-    value_cache[blocks, offsets] = value[keep]
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size  # [num_kept] each
+    key_cache[blocks, offsets] = key  # [num_kept, num_kv_heads, head_dim]
+    value_cache[blocks, offsets] = value
 
 
 def copy_blocks(key_caches, value_caches, block_mapping, *, check_values=True) -> None:

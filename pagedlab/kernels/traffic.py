@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from torch import Tensor
 
+from pagedlab._arith import cdiv
 from pagedlab.device import INTERPRET
 from pagedlab.dtypes import dtype_bytes
 
@@ -112,7 +113,7 @@ def mla_traffic(
     ceil(num_heads / heads_per_program) programs, each reading the whole row.
     """
     tokens = sum(_lens(seq_lens))
-    programs_per_seq = -(-num_heads // heads_per_program)
+    programs_per_seq = cdiv(num_heads, heads_per_program)
     row = (kv_lora_rank + rope_dim) * dtype_bytes(cache_dtype)
     return Traffic(
         loaded={

@@ -104,16 +104,6 @@ class BlockAllocator:
             raise StateError(f"block {block} of pool {self.name!r} is not parked; cannot revive it")
         self._refs[block] = 1
 
-    def grow(self, num_blocks: int) -> None:
-        """Extend the pool to ``num_blocks`` blocks; the new ones join the free list behind
-        the blocks already free (they are handed out after them)."""
-        check_positive("num_blocks", num_blocks, integer=True)
-        if num_blocks < self.num_blocks:
-            raise ValueError(f"pool {self.name!r} can only grow: {num_blocks} < {self.num_blocks}")
-        self._refs += [0] * (num_blocks - self.num_blocks)
-        self._free[:0] = range(num_blocks - 1, self.num_blocks - 1, -1)
-        self.num_blocks = num_blocks
-
     def unpark(self, blocks: Sequence[int]) -> None:
         """Put blocks the evictor has let go of without handing them out back on the free list."""
         for b in blocks:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
+from pagedlab._arith import cdiv
 from pagedlab.memory.allocator import BlockAllocator
 
 
@@ -40,7 +41,7 @@ class BlockTable:
     def _growth(self, num_tokens: int, allocator: BlockAllocator) -> tuple[int, bool]:
         """(new blocks an append of ``num_tokens`` needs, whether the last block must be copied)."""
         n, bs = len(self.token_ids), self.block_size
-        grow = -(-(n + num_tokens) // bs) - len(self.blocks)  # ceil: a block only when full
+        grow = cdiv(n + num_tokens, bs) - len(self.blocks)  # ceil: a block only when full
         shared_tail = n % bs != 0 and allocator.refcount(self.blocks[-1]) > 1
         return grow, shared_tail
 

@@ -19,6 +19,7 @@ from collections import Counter
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
+from pagedlab._arith import cdiv
 from pagedlab._checks import check_positive
 from pagedlab.memory.allocator import BlockAllocator
 from pagedlab.memory.block_table import BlockTable
@@ -139,7 +140,7 @@ class KVCacheManager:
         Conservative: prefix hits only lower the need, so True means :meth:`allocate` succeeds.
         """
         check_positive("num_tokens", num_tokens, integer=True)
-        return -(-num_tokens // self.block_size) <= self.gpu.num_free
+        return cdiv(num_tokens, self.block_size) <= self.gpu.num_free
 
     def can_append(self, seq_id: Hashable, num_tokens: int = 1) -> bool:
         """Would appending ``num_tokens`` tokens to ``seq_id`` fit now (copy-on-write included)?"""
@@ -171,7 +172,7 @@ class KVCacheManager:
         n, bs, cache = len(tokens), self.block_size, self.prefix_cache
         if n == 0:
             raise ValueError(f"sequence {seq_id!r}: a prompt needs at least one token")
-        num_blocks = -(-n // bs)
+        num_blocks = cdiv(n, bs)
         if cache is None:
             keys, hits = None, []
             blocks = self.gpu.allocate(num_blocks, owner=seq_id)
@@ -212,7 +213,7 @@ class KVCacheManager:
             if num_new < room:
                 return  # and no block filled
         elif room == 0 and num_new and self.events is None:  # a full last block: nothing to copy
-            table.blocks += self.gpu.allocate(-(-num_new // bs), owner=seq_id)
+            table.blocks += self.gpu.allocate(cdiv(num_new, bs), owner=seq_id)
             tokens += token_ids
         else:
             if not num_new:
@@ -251,11 +252,6 @@ class KVCacheManager:
             self._record("free", seq_id, table.blocks[::-1])
         table.free(pool)
         del tables[seq_id]
-
-    def grow(self, num_gpu_blocks: int) -> None:
-        """Add GPU blocks, keeping every sequence, every cached prefix and every block id."""
-        self.gpu.grow(num_gpu_blocks)
-        self.num_gpu_blocks = num_gpu_blocks
 
     def commit(self) -> None:
         """The step's keys and values are written: blocks cached during it may be hit from now
@@ -379,7 +375,7 @@ class KVCacheManager:
             for seq_id, table in tables.items():
                 n = len(table.token_ids)
                 blocks = table.blocks
-                if n == 0 or len(blocks) != -(-n // bs) or len(set(blocks)) != len(blocks):
+                if n == 0 or len(blocks) != cdiv(n, bs) or len(set(blocks)) != len(blocks):
                     raise InvariantError(f"sequence {seq_id!r}: {n} tokens in blocks {blocks}")
                 if cache is not None and len(table.keys) != n // bs:
                     raise InvariantError(

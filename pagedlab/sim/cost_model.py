@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pagedlab._arith import cdiv
 from pagedlab._checks import check_positive
 from pagedlab.footprint import (
     ModelConfig,
@@ -108,7 +109,7 @@ class CostModel:
         tile; ``block_size=None`` (contiguous cache) reads exactly ``context_len``."""
         if block_size is None:
             return context_len
-        return -(-context_len // block_size) * max(block_size, self.kv_tile_tokens)
+        return cdiv(context_len, block_size) * max(block_size, self.kv_tile_tokens)
 
     def step_time(
         self,

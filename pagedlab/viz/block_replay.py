@@ -12,6 +12,7 @@ from collections import Counter
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
+from pagedlab._arith import cdiv
 from pagedlab.memory import Event, KVCacheManager
 
 
@@ -44,7 +45,7 @@ class Snapshot:
     def fills(self, seq_id: Hashable) -> list[int]:
         """Tokens in each logical block of ``seq_id``: full blocks, then a partial last one."""
         n, bs = self.num_tokens[seq_id], self.block_size
-        return [min(bs, n - i * bs) for i in range(-(-n // bs))]
+        return [min(bs, n - i * bs) for i in range(cdiv(n, bs))]
 
     def summary(self) -> str:
         """Compact text: one line per sequence ``[block:fill/size] ...``, then the pool."""

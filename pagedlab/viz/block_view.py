@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from html import escape
 
+from pagedlab._arith import cdiv
 from pagedlab.viz.block_replay import Snapshot
 
 PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#138d9c",
@@ -120,7 +121,7 @@ def _pool(snap: Snapshot, colors, y: float) -> tuple[list[str], float, float]:
         parts.append("</g>")
     if snap.event is not None and snap.event.kind == "cow":
         parts += _copy_arrow(*(corner(b) for b in snap.event.pairs[0]))
-    rows = -(-snap.num_blocks // cols)
+    rows = cdiv(snap.num_blocks, cols)
     return parts, y + rows * (CELL + CELL_GAP), PAD + cols * (CELL + CELL_GAP)
 
 

@@ -17,6 +17,7 @@ import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
+from pagedlab._arith import cdiv
 from pagedlab.footprint import get_model, kv_bytes_per_token
 from pagedlab.memory.prefix_cache import block_key
 
@@ -106,7 +107,7 @@ def cache_layout(cache) -> Figure:
 def split_ranges(seq_len: int, num_splits: int, tile: int) -> list[tuple[int, int]]:
     """Token range [start, end) of each split, as the decode kernel computes it: an equal share
     of ``seq_len`` rounded up to whole tiles; a split past the end is empty (start >= end)."""
-    split_len = -(-(-(-seq_len // num_splits)) // tile) * tile
+    split_len = cdiv(cdiv(seq_len, num_splits), tile) * tile
     return [(k * split_len, min((k + 1) * split_len, seq_len)) for k in range(num_splits)]
 
 
@@ -127,7 +128,7 @@ def decode_grid(seq_lens: Sequence[int], block_tables, block_size: int, num_kv_h
         y = (len(rows) - 1 - r) * 1.0
         ax.text(-0.02 * longest, y + 0.45, f"seq {s}, KV head {h}", ha="right", va="center",
                 fontsize=FONT)
-        for j in range(-(-seq_lens[s] // block_size)):
+        for j in range(cdiv(seq_lens[s], block_size)):
             end = min((j + 1) * block_size, seq_lens[s])
             label = str(int(block_tables[s][j])) if 2 * (end - j * block_size) >= block_size else ""
             _box(ax, j * block_size, y + 0.45, end - j * block_size, 0.4, label, gid="block",
@@ -197,7 +198,7 @@ def varlen_tiles(query_lens: Sequence[int], tile_q: int) -> Figure:
     grid = total // tile_q + len(query_lens)
     owner = {}  # program -> (sequence, first token of its tile)
     for i, (start, n) in enumerate(zip(starts, query_lens)):
-        for k in range(-(-n // tile_q)):
+        for k in range(cdiv(n, tile_q)):
             owner[start // tile_q + i + k] = (i, k * tile_q)
     fig, ax = _canvas(2.6, (-0.16 * total, total * 1.02), (-0.4, 3.5))
     ax.text(-0.01 * total, 2.45, "packed\nquery rows", ha="right", va="center", fontsize=FONT)
@@ -284,7 +285,7 @@ def hash_chain(prompts: Sequence[Sequence[int]], block_size: int,
             key = block_key(parent, tokens)
             nodes.setdefault(key, (row, j // block_size, parent, tokens))
             parent = key
-    columns = max(-(-len(p) // block_size) for p in prompts)
+    columns = max(cdiv(len(p), block_size) for p in prompts)
     w = 9.6 / columns
     fig, ax = _canvas(1.0 + 0.85 * len(prompts), (0, 10), (-0.7, len(prompts)))
 
