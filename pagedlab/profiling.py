@@ -22,8 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 # the engine's record_function scopes -> the class of everything inside them (None: class the
 # ops by OP_CLASSES, the Python between them as the model's)
 SCOPES = {
-    "pagedlab::schedule": "scheduler",
-    "pagedlab::update": "scheduler",
+    "pagedlab::step": "scheduler",  # less the runner's scopes inside it
     "pagedlab::prepare": "runner: inputs",
     "pagedlab::forward": None,
     "pagedlab::attention": "attention",

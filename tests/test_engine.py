@@ -10,14 +10,8 @@ from _tiny import hf_generate, hf_greedy, kernel_runs, random_prompts, tiny_hf
 
 from pagedlab import LLM, BeamSearchParams, SamplingParams
 from pagedlab.device import HAS_CUDA
-from pagedlab.engine import (
-    CacheTooSmall,
-    GroupOutput,
-    InvalidPrompt,
-    Scheduler,
-    SchedulerConfig,
-    SequenceOutput,
-)
+from pagedlab.engine import CacheTooSmall, InvalidPrompt, Scheduler, SchedulerConfig
+from pagedlab.engine.step import Placeholders, drive
 from pagedlab.memory import InvariantError, KVCacheManager
 from pagedlab.model import from_hf
 
@@ -206,15 +200,9 @@ def test_inputs_in_vllm_forms(qwen):
     assert isinstance(text.error, InvalidPrompt) and "tokenizer" in str(text.error)
 
 
-def drive(scheduler: Scheduler) -> list:
-    """Run a scheduler to the end as the simulator will: token 1, always, and no model."""
-    history = []
-    while scheduler.has_unfinished:
-        step = scheduler.schedule()
-        scheduler.update([GroupOutput(g, [SequenceOutput(s, 1, 0.0) for s in g.live])
-                          for g in step.sampled_groups])
-        history.append(step.stats)
-    return history
+def step_stats(scheduler: Scheduler) -> list:
+    """Each step's stats, the scheduler run to the end without a model (token 1, always)."""
+    return [step.stats for step in drive(scheduler, Placeholders(1))]
 
 
 def test_llm_loads_a_checkpoint_and_sizes_its_cache(qwen, tmp_path):
@@ -241,7 +229,7 @@ def test_scheduler_runs_without_a_model():
         scheduler = Scheduler(manager, SchedulerConfig(preemption_mode=mode))
         for i in range(3):
             scheduler.add_request(f"r{i}", list(range(8)), SamplingParams(max_tokens=6))
-        history = drive(scheduler)
+        history = step_stats(scheduler)
         assert history[0].prefill_seqs == 3  # 6 blocks hold the three prompts
         assert history[1].preempted == (("r2", mode),)  # decoding needs blocks: last in, out
         for s in history:  # nothing new is admitted in a step that preempted, or while swapped
@@ -257,7 +245,7 @@ def test_token_budget_and_seats_bound_every_step(chunked):
     scheduler = Scheduler(manager, config)
     for i, length in enumerate([10, 10, 40, 3, 5, 4]):  # 40: more than the whole budget
         scheduler.add_request(f"r{i}", list(range(length)), SamplingParams(max_tokens=4))
-    history = drive(scheduler)
+    history = step_stats(scheduler)
     for s in history:
         assert s.prefill_seqs + s.decode_seqs <= 3
         if chunked:  # the 40-token prompt is cut to fit: every step keeps the budget

@@ -6,7 +6,7 @@ import torch
 from _tiny import MODELS, random_prompts, tiny_hf
 
 from pagedlab.engine.runner import ModelRunner
-from pagedlab.engine.scheduler import Chunk, Step
+from pagedlab.engine.step import Chunk, Step
 from pagedlab.engine.sequence import Sequence
 from pagedlab.memory import KVCacheManager
 from pagedlab.model import (

@@ -8,7 +8,7 @@ from _tiny import random_prompts, tiny_hf
 
 from pagedlab import LLM, SamplingParams
 from pagedlab.engine.batch import PersistentBatch
-from pagedlab.engine.scheduler import Chunk
+from pagedlab.engine.step import Chunk
 from pagedlab.model import from_hf
 
 

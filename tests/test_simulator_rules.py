@@ -162,8 +162,8 @@ def test_the_executor_prices_swaps_and_samples_placeholders_for_each_sample():
 def test_the_simulator_cannot_rank_beams():
     sched = sim_scheduler()
     sched.add_request("beams", [1, 2, 3], BeamSearchParams(beam_width=2, max_tokens=2))
-    with pytest.raises(ValueError, match=r"^request 'beams': the simulator samples placeholder "
-                                         r"tokens and cannot rank beams$"):
+    with pytest.raises(ValueError, match=r"^request 'beams': placeholder tokens cannot rank "
+                                         r"beams$"):
         SimExecutor(COST, 4).execute(sched.schedule())
 
 

@@ -1,7 +1,8 @@
 """A small serving engine on the paged KV cache, with vLLM's user API (chapters 6 and 8).
 
-``sequence`` (requests as sequence groups), ``scheduler`` (continuous batching, preemption by
-recomputation or swapping; no tensors, so the simulator drives it too), ``policy`` (the order
+``sequence`` (requests as sequence groups), ``step`` (what a step is, what an executor returns,
+and the loop body engine and simulator share), ``scheduler`` (continuous batching, preemption
+by recomputation or swapping; no tensors, so the simulator drives it too), ``policy`` (the order
 the scheduler serves and preempts in: FCFS, priority, or your own), ``sampling`` and
 ``beams`` (choosing tokens; parallel samples and beams by fork and copy-on-write),
 ``runner`` (the KV cache tensors and the model's forward pass), ``batch`` (the persistent
@@ -38,7 +39,11 @@ _EXPORTS = {
     "Sequence": "sequence",
     "SequenceGroup": "sequence",
     "SequenceOutput": "sequence",
-    "Step": "scheduler",
+    "Step": "step",
+    "StepOutput": "step",
+    "Placeholders": "step",
+    "drive": "step",
+    "run_step": "step",
     "StepStats": "stats",
 }
 

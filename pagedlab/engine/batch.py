@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from pagedlab.engine.scheduler import Chunk
+from pagedlab.engine.step import Chunk
 
 
 class PersistentBatch:

@@ -5,9 +5,10 @@
     outs[0].outputs[0].text, llm.stats.summary()
     llm.chat([{"role": "user", "content": "Hello!"}])
 
-One engine step (:meth:`LLM.step`) is: the scheduler forms a batch (and updates the block
-tables), the runner makes the block copies and runs the model, the sampler picks tokens, the
-scheduler applies them (fork, prune, stop, free). ``generate`` adds its requests and steps
+One engine step (:meth:`LLM.step`) is :func:`~pagedlab.engine.step.run_step`, the loop body
+the simulator runs too: the scheduler forms a batch (and updates the block tables), the runner
+makes the block copies, runs the model and samples, the scheduler applies the tokens (fork,
+prune, stop, free). ``generate`` adds its requests and steps
 until none is left (vLLM's ``LLMEngine`` loop: :meth:`LLM.add_request`, :meth:`LLM.step`,
 :meth:`LLM.abort_request`). A step is a transaction: if it raises, every request in flight is
 aborted, the blocks it cached before writing them are forgotten, and the engine serves the
@@ -29,17 +30,17 @@ from pagedlab.engine.beams import BeamSearchOutput, BeamSearchParams
 from pagedlab.engine.outputs import RequestOutput
 from pagedlab.engine.policy import POLICIES, Policy
 from pagedlab.engine.runner import KV_CACHE_DTYPES, ModelRunner, block_bytes, profile_num_blocks
-from pagedlab.engine.sampling import Sampler, SamplingParams
+from pagedlab.engine.sampling import SamplingParams
 from pagedlab.engine.scheduler import (
     PREEMPTION_MODES,
     CacheTooSmall,
     Scheduler,
     SchedulerConfig,
-    Step,
     TooManySequences,
 )
 from pagedlab.engine.sequence import SequenceGroup
 from pagedlab.engine.stats import EngineStats
+from pagedlab.engine.step import Step, run_step
 from pagedlab.engine.text import (
     InvalidPrompt,
     PromptTooLong,
@@ -172,7 +173,6 @@ class LLM:
         self.scheduler = Scheduler(self.manager, self.config)
         self.runner = ModelRunner(model, block_size, self.manager.num_gpu_blocks, num_cpu_blocks,
                                   kv_cache_dtype, kv_scale, decode_batch_sizes)
-        self.sampler = Sampler()
         self.stats: EngineStats | None = None  # of the last call
         self.last_step: Step | None = None  # the last step's batch: what a timed replay reads
         self._next_id = 0  # request ids: "0", "1", ...
@@ -272,16 +272,8 @@ class LLM:
         """One transactional step: on any error, abort everything in flight and forget the
         blocks cached before their keys and values were written, then re-raise."""
         try:
-            with record_function("pagedlab::schedule"):  # scopes pagedlab.profiling reads
-                step = self.scheduler.schedule()
-            outputs = []
-            if not step.is_empty:
-                logits = self.runner.execute(step)  # [num_sampled, vocab]
-                with record_function("pagedlab::sample"):
-                    rows = {seq.seq_id: i for i, seq in enumerate(step.seqs)}
-                    outputs = self.sampler(step.sampled_groups, rows, logits)
-            with record_function("pagedlab::update"):
-                self.scheduler.update(outputs)
+            with record_function("pagedlab::step"):  # a scope pagedlab.profiling reads
+                step, ran, _ = run_step(self.scheduler, self.runner)
         except BaseException:
             self.scheduler.abort_all()
             self.manager.rollback()
@@ -290,7 +282,7 @@ class LLM:
         self.last_step = step
         if self.stats is not None:
             self.stats.steps.append(step.stats)
-            self.stats.generated_tokens += sum(len(out.children) for out in outputs)
+            self.stats.generated_tokens += sum(len(out.children) for out in ran.outputs)
         return step
 
     def _run(self, requests, use_tqdm: bool):

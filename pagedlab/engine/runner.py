@@ -1,9 +1,10 @@
 """The model runner: owns the KV cache tensors and runs a scheduled step on the model.
 
-The scheduler hands it a :class:`~pagedlab.engine.scheduler.Step`; the runner makes the
-step's block copies (swaps, then copy-on-write), turns the step's chunks into a
-:class:`~pagedlab.model.ForwardBatch` (token ids, positions, slots, block tables) and runs the
-model. The simulator of chapter 10 replaces exactly this class with a cost model.
+The scheduler hands it a :class:`~pagedlab.engine.step.Step`; the runner makes the step's
+block copies (swaps, then copy-on-write), turns the step's chunks into a
+:class:`~pagedlab.model.ForwardBatch` (token ids, positions, slots, block tables), runs the
+model and samples, and returns a :class:`~pagedlab.engine.step.StepOutput`. The simulator of
+chapter 10 replaces exactly this class with a cost model that returns the same type.
 
 ``kv_cache_dtype="fp8"`` (vLLM's name) keeps the caches in e4m3, one byte per value, with one
 scale ``kv_scale`` for keys and values (vLLM's default 1.0: no calibration); "auto" keeps them
@@ -21,7 +22,8 @@ from torch import Tensor
 from torch.profiler import record_function
 
 from pagedlab.engine.batch import PersistentBatch
-from pagedlab.engine.scheduler import Step
+from pagedlab.engine.sampling import Sampler
+from pagedlab.engine.step import Step, StepOutput
 from pagedlab.kernels.fp8_reference import FP8
 from pagedlab.model import ForwardBatch, PagedLlama, Prefill
 
@@ -128,16 +130,22 @@ class ModelRunner:
         self.kv_caches = caches(num_gpu_blocks, dev)
         self.cpu_caches = caches(num_cpu_blocks, "cpu", pin)
         self.batch = PersistentBatch(dev)  # the block tables of the sequences in the batch
+        self.sampler = Sampler()
 
-    def execute(self, step: Step) -> Tensor:
-        """Run ``step``; return fp32 logits [num_sampled, vocab] in the order of ``step.seqs``
-        (a chunk that does not reach its sequence's end samples nothing)."""
-        with record_function("pagedlab::prepare"):  # a scope pagedlab.profiling reads
+    def execute(self, step: Step) -> StepOutput:
+        """Run ``step`` and sample from the logits of each chunk that reaches its sequence's
+        end (a partial prompt chunk samples nothing)."""
+        if step.is_empty:
+            return StepOutput([])
+        with record_function("pagedlab::prepare"):  # scopes pagedlab.profiling reads
             batch, last = self.prepare(step)
         with record_function("pagedlab::forward"):
             self._move_blocks(step)
             hidden = self.model(batch, self.kv_caches, self.kv_scale)  # [num_tokens, hidden]
-            return self.model.compute_logits(hidden[last])
+            logits = self.model.compute_logits(hidden[last])  # [num_sampled, vocab], fp32
+        with record_function("pagedlab::sample"):
+            rows = {seq.seq_id: i for i, seq in enumerate(step.seqs)}
+            return StepOutput(self.sampler(step.sampled_groups, rows, logits))
 
     def _move_blocks(self, step: Step) -> None:
         """Swaps first, then copy-on-write: the order the manager's docstring requires."""

@@ -56,6 +56,7 @@ from pagedlab.engine.beams import BeamSearchParams
 from pagedlab.engine.policy import FCFS, Policy, enqueue, ranked
 from pagedlab.engine.sequence import GroupOutput, GroupStatus, Sequence, SequenceGroup
 from pagedlab.engine.stats import StepStats
+from pagedlab.engine.step import Chunk, Step
 from pagedlab.memory import KVCacheManager
 
 PREEMPTION_MODES = ("recompute", "swap")
@@ -122,83 +123,6 @@ class SchedulerConfig:
         if self.chunked_prefill:
             return max(DEFAULT_BUDGET, self.max_num_seqs)
         return max(DEFAULT_BUDGET, self.max_num_seqs, self.max_model_len or 0)
-
-
-@dataclass
-class Chunk:
-    """One sequence's work in a step: ``num_tokens`` query tokens from position ``start``.
-
-    Everything an executor needs, so that neither the model runner nor the simulator asks
-    the manager: the tokens' cache slots, the block table they attend through and how many
-    keys they see. A decode is a chunk of one token; a prefill chunk follows ``start``
-    tokens already cached (earlier chunks, prefix-cache hits).
-    """
-
-    seq: Sequence
-    start: int  # tokens already in the cache: the first query token's position
-    num_tokens: int  # query tokens this step (1 for a decode)
-    block_table: list[int]  # the sequence's GPU blocks, this step's included
-    slots: list[int]  # cache slot of each query token: where its key and value go
-    is_decode: bool = False
-
-    @classmethod
-    def of(cls, manager: KVCacheManager, seq: Sequence, start: int, num_tokens: int,
-           is_decode: bool = False) -> Chunk:
-        """``num_tokens`` tokens of ``seq`` from ``start``, once ``manager`` holds them."""
-        slots = manager.slot_mapping(seq.seq_id, start, start + num_tokens)
-        return cls(seq, start, num_tokens, manager.block_table(seq.seq_id), slots, is_decode)
-
-    @property
-    def context_len(self) -> int:
-        """Keys the last query token attends to: the cached ones and the chunk's."""
-        return self.start + self.num_tokens
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.seq.token_ids[self.start : self.context_len]
-
-    @property
-    def samples(self) -> bool:
-        """Does the chunk reach the sequence's last token, whose logits pick the next one?"""
-        return self.context_len == len(self.seq)
-
-
-@dataclass
-class Step:
-    """One step's batch and the block copies to make before its forward pass."""
-
-    prefills: list[Chunk] = field(default_factory=list)  # prompt chunks, whole or partial
-    decodes: list[Chunk] = field(default_factory=list)  # one token per running sequence
-    groups: list[SequenceGroup] = field(default_factory=list)  # every group in the batch
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu block, cpu block)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, gpu block)
-    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
-    preempted: list[tuple[SequenceGroup, str]] = field(default_factory=list)  # (group, mode)
-    swapped_in: list[SequenceGroup] = field(default_factory=list)
-    failed: list[SequenceGroup] = field(default_factory=list)  # can never run: finished
-    partial: list[SequenceGroup] = field(default_factory=list)  # prefilling, not sampling yet
-    stats: StepStats | None = None
-
-    @property
-    def chunks(self) -> list[Chunk]:
-        """The batch's rows in order: prefill chunks, then decodes."""
-        return self.prefills + self.decodes
-
-    @property
-    def seqs(self) -> list[Sequence]:
-        """The sequences sampled this step, in the order of the logits' rows."""
-        return [c.seq for c in self.chunks if c.samples]
-
-    @property
-    def sampled_groups(self) -> list[SequenceGroup]:
-        """The groups that sample this step: all but those still prefilling."""
-        if not self.partial:
-            return self.groups
-        return [g for g in self.groups if g not in self.partial]
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.prefills and not self.decodes
 
 
 class Scheduler:

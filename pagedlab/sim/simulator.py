@@ -20,14 +20,13 @@ import math
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
-from typing import NamedTuple
 
 import numpy as np
 
 from pagedlab._checks import check_positive
 from pagedlab.engine.sampling import SamplingParams
-from pagedlab.engine.scheduler import Scheduler, SchedulerConfig, Step
-from pagedlab.engine.sequence import GroupOutput, SequenceOutput
+from pagedlab.engine.scheduler import Scheduler, SchedulerConfig
+from pagedlab.engine.step import Placeholders, Step, StepOutput, run_step
 from pagedlab.memory import KVCacheManager
 from pagedlab.memory.contiguous import CATEGORIES
 from pagedlab.sim.cost_model import CostModel
@@ -41,23 +40,15 @@ SYSTEM_NAMES = {"paged": "vLLM (paging)", "orca-oracle": "Orca (Oracle)",
 TOKEN = 0  # the placeholder every simulated step "samples"
 
 
-class StepRun(NamedTuple):
-    """One simulated step: its forward pass and swap times, and the outputs for
-    :meth:`Scheduler.update`."""
-
-    seconds: float
-    swap_seconds: float
-    outputs: list[GroupOutput]
-
-
 class SimExecutor:
     """Stands where the model runner stands: a step's time from the cost model, and one
     placeholder token per sequence (``n`` of them for a parallel-sampling prompt)."""
 
     def __init__(self, cost: CostModel, block_size: int):
         self.cost, self.block_size = cost, block_size
+        self.placeholders = Placeholders(TOKEN)
 
-    def execute(self, step: Step) -> StepRun:
+    def execute(self, step: Step) -> StepOutput:
         """What ``step`` costs and produces."""
         decode_lens = [c.context_len for c in step.decodes]
         seconds = self.cost.step_time(
@@ -65,20 +56,7 @@ class SimExecutor:
             prefill_starts=[c.start for c in step.prefills])
         moved = len(step.swap_out) + len(step.swap_in)
         swap = self.cost.swap_time(moved, self.block_size) if moved else 0.0
-        outputs = []
-        for group in step.sampled_groups:
-            if group.is_beam_search:
-                raise ValueError(f"request {group.request_id!r}: the simulator samples "
-                                 "placeholder tokens and cannot rank beams")
-            n = group.params.n
-            if n == 1:  # the common case, kept fast: one sequence, one token
-                children = [SequenceOutput(group.seqs[0], TOKEN, 0.0)]
-            elif group.is_prefilled:
-                children = [SequenceOutput(s, TOKEN, 0.0) for s in group.live]
-            else:  # the prompt's step starts all n samples from the one sequence
-                children = [SequenceOutput(group.seqs[0], TOKEN, 0.0)] * n
-            outputs.append(GroupOutput(group, children))
-        return StepRun(seconds, swap, outputs)
+        return StepOutput(self.placeholders.outputs(step), seconds, swap)
 
 
 @dataclass(frozen=True)
@@ -121,6 +99,21 @@ def simulate_paged(
     times, durations, batch, waiting, used, stored = [], [], [], [], [], []
     now, nxt, preemptions, swapped, swap_seconds = 0.0, 0, 0, 0, 0.0
 
+    def observe(step, ran):
+        """The step as it ran, before its tokens are applied."""
+        nonlocal swapped, swap_seconds, preemptions
+        swapped += len(step.swap_out) + len(step.swap_in)
+        swap_seconds += ran.swap_seconds
+        preemptions += len(step.preempted)
+        times.append(now)
+        durations.append(ran.seconds + ran.swap_seconds)
+        batch.append(len(step.groups))
+        waiting.append(len(scheduler.waiting) + len(scheduler.swapped))
+        used.append(manager.num_used_blocks)
+        # from the manager, not the step: a shared block counts once, and a prompt part-way
+        # through its prefill keeps its tokens in a step that gives it no chunk
+        stored.append(manager.usage().tokens_stored)
+
     while nxt < len(pending) or scheduler.has_unfinished:
         if not scheduler.has_unfinished:
             now = max(now, pending[nxt].arrival)  # skip the idle gap
@@ -128,24 +121,11 @@ def simulate_paged(
             r = pending[nxt]
             scheduler.add_request(r.id, [TOKEN] * r.prompt_len, params[r.id])
             nxt += 1
-        step = scheduler.schedule()
-        ran = executor.execute(step)
-        seconds = ran.seconds + ran.swap_seconds  # the copies run before the forward pass
-        swapped += len(step.swap_out) + len(step.swap_in)
-        swap_seconds += ran.swap_seconds
-        preemptions += len(step.preempted)
-        times.append(now)
-        durations.append(seconds)
-        batch.append(len(step.groups))
-        waiting.append(len(scheduler.waiting) + len(scheduler.swapped))
-        used.append(manager.num_used_blocks)
-        # from the manager, not the step: a shared block counts once, and a prompt part-way
-        # through its prefill keeps its tokens in a step that gives it no chunk
-        stored.append(manager.usage().tokens_stored)
-        now += seconds
+        step, ran, finished = run_step(scheduler, executor, observe)
+        now += ran.seconds + ran.swap_seconds  # the copies run before the forward pass
         for group in step.sampled_groups:
             first.setdefault(group.request_id, now)
-        for group in scheduler.update(ran.outputs):
+        for group in finished:
             finish[group.request_id] = now
 
     capacity = num_gpu_blocks * bs

@@ -1,0 +1,162 @@
+"""What one engine step is, whoever carries it out (chapters 6, 8, 9 and 10).
+
+The scheduler decides a :class:`Step`: its :class:`Chunk` s (each sequence's query tokens,
+their positions, cache slots and block table) and the block copies to make first. An executor
+carries it out and returns a :class:`StepOutput`: the model runner runs the model and samples
+(as vLLM's ``ModelRunnerOutput`` carries sampled tokens), the simulator's executor prices the
+step with a cost model and samples placeholders. :func:`run_step` is the loop body the engine
+and the simulator share: schedule, execute, apply.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol
+
+from pagedlab.engine.sequence import GroupOutput, Sequence, SequenceGroup, SequenceOutput
+from pagedlab.engine.stats import StepStats
+from pagedlab.memory import KVCacheManager
+
+
+@dataclass
+class Chunk:
+    """One sequence's work in a step: ``num_tokens`` query tokens from position ``start``.
+
+    Everything an executor needs, so that neither the model runner nor the simulator asks
+    the manager: the tokens' cache slots, the block table they attend through and how many
+    keys they see. A decode is a chunk of one token; a prefill chunk follows ``start``
+    tokens already cached (earlier chunks, prefix-cache hits).
+    """
+
+    seq: Sequence
+    start: int  # tokens already in the cache: the first query token's position
+    num_tokens: int  # query tokens this step (1 for a decode)
+    block_table: list[int]  # the sequence's GPU blocks, this step's included
+    slots: list[int]  # cache slot of each query token: where its key and value go
+    is_decode: bool = False
+
+    @classmethod
+    def of(cls, manager: KVCacheManager, seq: Sequence, start: int, num_tokens: int,
+           is_decode: bool = False) -> Chunk:
+        """``num_tokens`` tokens of ``seq`` from ``start``, once ``manager`` holds them."""
+        slots = manager.slot_mapping(seq.seq_id, start, start + num_tokens)
+        return cls(seq, start, num_tokens, manager.block_table(seq.seq_id), slots, is_decode)
+
+    @property
+    def context_len(self) -> int:
+        """Keys the last query token attends to: the cached ones and the chunk's."""
+        return self.start + self.num_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.token_ids[self.start : self.context_len]
+
+    @property
+    def samples(self) -> bool:
+        """Does the chunk reach the sequence's last token, whose logits pick the next one?"""
+        return self.context_len == len(self.seq)
+
+
+@dataclass
+class Step:
+    """One step's batch and the block copies to make before its forward pass."""
+
+    prefills: list[Chunk] = field(default_factory=list)  # prompt chunks, whole or partial
+    decodes: list[Chunk] = field(default_factory=list)  # one token per running sequence
+    groups: list[SequenceGroup] = field(default_factory=list)  # every group in the batch
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu block, cpu block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, gpu block)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
+    preempted: list[tuple[SequenceGroup, str]] = field(default_factory=list)  # (group, mode)
+    swapped_in: list[SequenceGroup] = field(default_factory=list)
+    failed: list[SequenceGroup] = field(default_factory=list)  # can never run: finished
+    partial: list[SequenceGroup] = field(default_factory=list)  # prefilling, not sampling yet
+    stats: StepStats | None = None
+
+    @property
+    def chunks(self) -> list[Chunk]:
+        """The batch's rows in order: prefill chunks, then decodes."""
+        return self.prefills + self.decodes
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        """The sequences sampled this step, in the order of the logits' rows."""
+        return [c.seq for c in self.chunks if c.samples]
+
+    @property
+    def sampled_groups(self) -> list[SequenceGroup]:
+        """The groups that sample this step: all but those still prefilling."""
+        if not self.partial:
+            return self.groups
+        return [g for g in self.groups if g not in self.partial]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.prefills and not self.decodes
+
+
+class StepOutput(NamedTuple):
+    """What executing a step produced: each sampled group's children, for
+    :meth:`~pagedlab.engine.scheduler.Scheduler.update`; from a simulator also the seconds the
+    forward pass and the block swaps would take (a real run is timed by a clock instead)."""
+
+    outputs: list[GroupOutput]
+    seconds: float = 0.0
+    swap_seconds: float = 0.0
+
+
+class Executor(Protocol):
+    """Carries out a step: the model runner, or the simulator's cost model."""
+
+    def execute(self, step: Step) -> StepOutput: ...
+
+
+def run_step(scheduler, executor: Executor, observe: Callable[[Step, StepOutput], None] | None
+             = None) -> tuple[Step, StepOutput, list[SequenceGroup]]:
+    """One step of the serving loop: the scheduler forms a batch, the executor runs it, the
+    scheduler applies its outputs (fork, prune, stop, free). ``observe(step, output)``, if
+    given, sees the step once it ran, before its outputs change the queues and the cache.
+    Returns the step, what it produced and the groups that finished."""
+    step = scheduler.schedule()
+    ran = executor.execute(step)
+    if observe is not None:
+        observe(step, ran)
+    return step, ran, scheduler.update(ran.outputs)
+
+
+class Placeholders:
+    """An executor without a model: every sequence samples ``token`` (a prompt with parallel
+    samples starts all ``n`` of them), which is all a scheduler needs to be driven alone."""
+
+    def __init__(self, token: int = 0):
+        self.token = token
+
+    def outputs(self, step: Step) -> list[GroupOutput]:
+        """The children of every group the step samples."""
+        outputs, token = [], self.token
+        for group in step.sampled_groups:
+            if group.is_beam_search:
+                raise ValueError(f"request {group.request_id!r}: placeholder tokens cannot "
+                                 "rank beams")
+            if group.params.n == 1:  # the common case, kept fast: one sequence, one token
+                children = [SequenceOutput(group.seqs[0], token, 0.0)]
+            elif group.is_prefilled:
+                children = [SequenceOutput(s, token, 0.0) for s in group.live]
+            else:  # the prompt's step starts all n samples from the one sequence
+                children = [SequenceOutput(group.seqs[0], token, 0.0)] * group.params.n
+            outputs.append(GroupOutput(group, children))
+        return outputs
+
+    def execute(self, step: Step) -> StepOutput:
+        return StepOutput(self.outputs(step))
+
+
+def drive(scheduler, executor: Executor | None = None) -> list[Step]:
+    """Run ``scheduler`` until no request is left (with :class:`Placeholders` by default);
+    return its steps."""
+    executor = executor or Placeholders()
+    steps = []
+    while scheduler.has_unfinished:
+        steps.append(run_step(scheduler, executor)[0])
+    return steps
