@@ -38,6 +38,7 @@ from torch import Tensor, nn
 from torch.profiler import record_function
 
 from pagedlab.device import DEVICE, HAS_CUDA
+from pagedlab.footprint import ModelConfig
 from pagedlab.kernels.fp8_reference import FP8, dequantize
 from pagedlab.kernels.reference import gather_kv
 
@@ -93,6 +94,25 @@ class ModelArgs:
                 f"num_key_value_heads={self.num_kv_heads} must divide "
                 f"num_attention_heads={self.num_heads}"
             )
+
+    @property
+    def num_params(self) -> int:
+        """Parameters of a model of this shape (a tied output layer counted once)."""
+        h, inner = self.hidden_size, self.intermediate_size
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        attention = 2 * h * q + 2 * h * kv + (q + 2 * kv if self.qkv_bias else 0)
+        layer = attention + 3 * h * inner + 2 * h  # q, k, v, o; gate, up, down; two norms
+        embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * layer + embeddings + h  # and the final norm
+
+    def footprint(self) -> ModelConfig:
+        """This shape in chapter 1's vocabulary: what :mod:`pagedlab.footprint` sizes memory
+        with (KV bytes per token, weight bytes, capacity)."""
+        kind = ("mha" if self.num_kv_heads == self.num_heads
+                else "mqa" if self.num_kv_heads == 1 else "gqa")
+        return ModelConfig(self.model_type, self.num_layers, self.hidden_size, self.num_heads,
+                           self.num_kv_heads, self.head_dim, self.num_params, attention=kind,
+                           max_context=self.max_position_embeddings)
 
     @classmethod
     def from_hf_config(cls, config: dict) -> ModelArgs:

@@ -133,3 +133,23 @@ def test_unsupported_models_and_kernels_are_named():
     assert model.ops.__name__ == "pagedlab.kernels"
     with pytest.raises(UnsupportedModel, match="must divide"):
         PagedLlama(ModelArgs(64, 64, 128, 1, num_heads=4, num_kv_heads=3, head_dim=16))
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_a_shape_counts_its_parameters_and_its_kv_bytes(name):
+    """ModelArgs in chapter 1's vocabulary: the parameter count of the model it builds (a tied
+    output layer once, Qwen2's biases included), and a cache block's bytes, K and V of every
+    layer's KV heads, as the cache tensors hold them."""
+    from pagedlab.engine.runner import block_bytes
+
+    model = from_hf(tiny_hf(name))
+    a = model.args
+    assert a.num_params == sum(p.numel() for p in model.parameters())
+    shape = a.footprint()
+    assert (shape.n_layers, shape.d_model, shape.n_kv_heads) == (a.num_layers, a.hidden_size,
+                                                                  a.num_kv_heads)
+    assert shape.attention == {4: "mha", 2: "gqa", 1: "mqa"}[a.num_kv_heads]
+    runner = ModelRunner(model, 4, 3, 0)
+    cache_bytes = sum(c.nbytes for layer in runner.kv_caches for c in layer)
+    assert block_bytes(model, 4) == cache_bytes // 3
+    assert block_bytes(model, 4, "fp8") == cache_bytes // 3 // 4  # one byte instead of fp32's 4

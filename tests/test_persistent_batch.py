@@ -3,7 +3,6 @@ outputs do not depend on it (the equivalence tests run through it)."""
 
 from types import SimpleNamespace
 
-import torch
 from _tiny import random_prompts, tiny_hf
 
 from pagedlab import LLM, SamplingParams

@@ -24,6 +24,7 @@ from torch.profiler import record_function
 from pagedlab.engine.batch import PersistentBatch
 from pagedlab.engine.sampling import Sampler
 from pagedlab.engine.step import Step, StepOutput
+from pagedlab.footprint import kv_bytes_per_token
 from pagedlab.kernels.fp8_reference import FP8
 from pagedlab.model import ForwardBatch, PagedLlama, Prefill
 
@@ -42,10 +43,10 @@ def cache_dtype(model: PagedLlama, kv_cache_dtype: str) -> torch.dtype:
 
 
 def block_bytes(model: PagedLlama, block_size: int, kv_cache_dtype: str = "auto") -> int:
-    """Bytes of one block: keys and values of ``block_size`` tokens in every layer."""
-    a = model.args
-    itemsize = cache_dtype(model, kv_cache_dtype).itemsize
-    return block_size * 2 * a.num_layers * a.num_kv_heads * a.head_dim * itemsize
+    """Bytes of one block: keys and values of ``block_size`` tokens in every layer (chapter 1's
+    KV bytes per token, for the model's shape and the cache's dtype)."""
+    dtype = cache_dtype(model, kv_cache_dtype)
+    return block_size * kv_bytes_per_token(model.args.footprint(), dtype)
 
 
 def cpu_kv_cache_bytes() -> int:

@@ -48,7 +48,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pagedlab._arith import cdiv
 from pagedlab._checks import check_positive
