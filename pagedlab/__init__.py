@@ -2,10 +2,10 @@
 
 from pagedlab import device  # first: it routes Triton through the interpreter on a CPU
 
-__all__ = ["device", "LLM", "SamplingParams", "BeamSearchParams"]
+__all__ = ["device", "LLM", "AsyncLLM", "SamplingParams", "BeamSearchParams"]
 __version__ = "0.1.0"
 
-_ENGINE = ("LLM", "SamplingParams", "BeamSearchParams")
+_ENGINE = ("LLM", "AsyncLLM", "SamplingParams", "BeamSearchParams")
 
 
 def __getattr__(name):

@@ -7,7 +7,8 @@ the scheduler serves and preempts in: FCFS, priority, or your own), ``sampling``
 ``beams`` (choosing tokens; parallel samples and beams by fork and copy-on-write),
 ``runner`` (the KV cache tensors and the model's forward pass), ``batch`` (the persistent
 batch of block-table rows), ``stats`` and ``outputs``
-(what a run reports), ``llm`` (the :class:`LLM` facade).
+(what a run reports), ``llm`` (the :class:`LLM` facade), ``async_llm`` (the engine online:
+requests arriving while others run, tokens streamed back).
 """
 
 from importlib import import_module
@@ -16,6 +17,7 @@ from importlib import import_module
 # simulator import this package without loading the model, the runner and the Triton kernels.
 _EXPORTS = {
     "LLM": "llm",
+    "AsyncLLM": "async_llm",
     "BeamSearchOutput": "beams",
     "BeamSearchParams": "beams",
     "BeamSearchSequence": "beams",

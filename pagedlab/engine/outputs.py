@@ -15,7 +15,9 @@ class CompletionOutput:
     ``finish_reason`` is "stop" (EOS, a stop token or a stop string, named by ``stop_reason``),
     "length" (``max_tokens`` or ``max_model_len``), "abort", "error", or None while unfinished;
     ``text`` is empty without a tokenizer; ``logprobs``, if the request asked for ``k``, holds
-    for each token the log-probabilities of the ``k`` likeliest tokens and of the one sampled.
+    for each token the log-probabilities of the ``k`` likeliest tokens and of the one sampled;
+    ``delta``, in a stream (:class:`~pagedlab.engine.async_llm.AsyncLLM`), is the text new
+    since the request's previous output.
     """
 
     index: int
@@ -25,6 +27,7 @@ class CompletionOutput:
     logprobs: list[dict[int, float]] | None
     finish_reason: str | None
     stop_reason: int | str | None = None
+    delta: str = ""
 
 
 @dataclass

@@ -1,0 +1,205 @@
+"""The OpenAI-compatible server, through the official ``openai`` client and raw HTTP: the same
+text as the engine offline, streamed or whole, for completions and chat; OpenAI's error object
+with HTTP 400 for bad input while others are served; 24 concurrent streams and a client that
+disconnects, with no block leaked."""
+
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from _tiny import tiny_hf
+
+pytest.importorskip("fastapi", reason="the server's extra is not installed")
+openai = pytest.importorskip("openai")
+import httpx  # noqa: E402
+import uvicorn  # noqa: E402
+
+from pagedlab import LLM, SamplingParams  # noqa: E402
+from pagedlab.model import from_hf  # noqa: E402
+from pagedlab.models import ModelNotInstalled, smollm2  # noqa: E402
+from pagedlab.serve import build_app  # noqa: E402
+
+NAME = "tiny"
+
+
+@pytest.fixture(scope="module")
+def server():
+    """A tiny random model over SmolLM2's tokenizer (and chat template), served on a free
+    port from a thread; yields (base url, the engine's LLM, a reference LLM)."""
+    try:
+        checkpoint = smollm2()
+    except ModelNotInstalled as missing:
+        pytest.skip(str(missing))
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    model = from_hf(tiny_hf("qwen2-mqa-d32-tied", vocab_size=len(tokenizer)))
+    llm = LLM(model, tokenizer=tokenizer, block_size=4, num_gpu_blocks=512, max_num_seqs=16,
+              max_model_len=256)
+    reference = LLM(model, tokenizer=tokenizer, block_size=4, num_gpu_blocks=512)
+    abort, llm.aborted = llm.abort_request, []
+
+    def recorded_abort(request_id):  # what the disconnect test reads
+        llm.aborted.append(request_id)
+        abort(request_id)
+
+    llm.abort_request = recorded_abort
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(build_app(llm, NAME), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}", llm, reference
+    server.should_exit = True
+    thread.join(timeout=30)
+
+
+def client(url):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+
+
+def idle(llm, timeout=30.0):
+    """Wait until the engine serves nothing; then no block may be in use."""
+    deadline = time.monotonic() + timeout
+    while llm.has_unfinished_requests():
+        assert time.monotonic() < deadline, "requests still running"
+        time.sleep(0.05)
+    return llm.manager.num_used_blocks
+
+
+GREEDY = dict(temperature=0, max_tokens=12, extra_body={"ignore_eos": True})
+
+
+def test_completions_whole_and_streamed_match_the_engine(server):
+    url, llm, reference = server
+    prompt = "The capital of France is"
+    want = reference.generate(prompt, SamplingParams(temperature=0, max_tokens=12,
+                                                     ignore_eos=True), use_tqdm=False)
+    whole = client(url).completions.create(model=NAME, prompt=prompt, **GREEDY)
+    assert whole.choices[0].text == want[0].outputs[0].text
+    assert whole.usage.completion_tokens == 12 and whole.choices[0].finish_reason == "length"
+    pieces = [c.choices[0].text for c in client(url).completions.create(
+        model=NAME, prompt=prompt, stream=True, **GREEDY)]
+    assert "".join(pieces) == want[0].outputs[0].text and len(pieces) > 1
+    assert idle(llm) == 0
+
+
+def test_chat_whole_and_streamed_match_the_engine(server):
+    url, llm, reference = server
+    messages = [{"role": "user", "content": "Name three primary colors."}]
+    want = reference.chat(messages, SamplingParams(temperature=0, max_tokens=12,
+                                                   ignore_eos=True), use_tqdm=False)
+    whole = client(url).chat.completions.create(model=NAME, messages=messages, **GREEDY)
+    assert whole.choices[0].message.content == want[0].outputs[0].text
+    assert whole.choices[0].message.role == "assistant"
+    stream = client(url).chat.completions.create(model=NAME, messages=messages, stream=True,
+                                                 **GREEDY)
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == want[0].outputs[0].text
+    models = client(url).models.list()
+    assert [m.id for m in models.data] == [NAME]
+    assert idle(llm) == 0
+
+
+@pytest.mark.parametrize("path, body, field", [
+    ("completions", "{not json", None),
+    ("completions", {"model": "gpt-4", "prompt": "hi"}, "model"),
+    ("completions", {"model": NAME, "prompt": "hi", "max_tokens": 0}, None),
+    ("completions", {"model": NAME, "prompt": "hi", "n": 17}, "n"),
+    ("completions", {"model": NAME, "prompt": "word " * 300}, None),
+    ("completions", {"model": NAME}, "prompt"),
+    ("chat/completions", {"model": NAME, "messages": [{"role": "wizard", "content": "hi"}]},
+     None),
+])
+def test_bad_input_gets_openai_s_error_and_the_server_serves_on(server, path, body, field):
+    url, llm, _ = server
+    content = body if isinstance(body, str) else json.dumps(body)
+    reply = httpx.post(f"{url}/v1/{path}", content=content,
+                       headers={"content-type": "application/json"}, timeout=60)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"]
+    assert error["param"] == field
+    ok = client(url).completions.create(model=NAME, prompt="hello", **GREEDY)
+    assert ok.usage.completion_tokens == 12
+    assert idle(llm) == 0
+
+
+def test_concurrent_streams_all_complete_and_leak_nothing(server):
+    url, llm, _ = server
+
+    def one(i):
+        stream = client(url).completions.create(
+            model=NAME, prompt=f"request {i}:", stream=True, temperature=0,
+            max_tokens=4 + i % 9, extra_body={"ignore_eos": True})
+        chunks = list(stream)
+        return chunks[-1].choices[0].finish_reason, len(chunks)
+
+    with ThreadPoolExecutor(24) as pool:
+        results = list(pool.map(one, range(24)))
+    assert all(reason == "length" for reason, _ in results)
+    assert idle(llm) == 0
+
+
+def test_a_client_that_disconnects_gives_its_blocks_back(server):
+    url, llm, _ = server
+    body = {"model": NAME, "prompt": "a long story:", "max_tokens": 200, "stream": True,
+            "temperature": 0, "ignore_eos": True}
+    before = len(llm.aborted)
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as reply:
+        lines = reply.iter_lines()
+        got = [line for line, _ in zip(lines, range(6)) if line.startswith("data:")]
+    request_id = json.loads(got[0][len("data:"):])["id"]
+    assert idle(llm) == 0
+    assert llm.aborted[before:] == [request_id]  # aborted, not run to its 200 tokens
+
+
+def test_python_m_pagedlab_serve_starts_answers_and_stops_on_sigterm():
+    """The README's server command: SmolLM2 by default, answering the openai client; SIGTERM
+    ends it cleanly."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    try:
+        smollm2()
+    except ModelNotInstalled as missing:
+        pytest.skip(str(missing))
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "PAGEDLAB_CPU_KVCACHE_SPACE": "0.1"}
+    proc = subprocess.Popen([sys.executable, "-m", "pagedlab.serve", "--port", str(port),
+                             "--max-num-seqs", "4"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.5)
+        (model,) = client(url).models.list().data
+        reply = client(url).chat.completions.create(
+            model=model.id, messages=[{"role": "user", "content": "What is 2 + 2?"}],
+            temperature=0, max_tokens=4)
+        assert reply.usage.completion_tokens <= 4 and reply.choices[0].message.content
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        output = proc.communicate(timeout=60)[0]
+    # uvicorn shuts the app down (the engine's loop stopped, its requests aborted), then exits
+    # by the signal it caught, as a process killed by it would
+    assert "Application shutdown complete" in output, output
+    assert proc.returncode in (0, -signal.SIGTERM), output
