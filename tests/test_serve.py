@@ -10,7 +10,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from _tiny import tiny_hf
+from _tiny import tiny_over_smollm2_tokenizer
 
 pytest.importorskip("fastapi", reason="the server's extra is not installed")
 openai = pytest.importorskip("openai")
@@ -18,7 +18,6 @@ import httpx  # noqa: E402
 import uvicorn  # noqa: E402
 
 from pagedlab import LLM, SamplingParams  # noqa: E402
-from pagedlab.model import from_hf  # noqa: E402
 from pagedlab.models import ModelNotInstalled, smollm2  # noqa: E402
 from pagedlab.serve import build_app  # noqa: E402
 
@@ -29,14 +28,7 @@ NAME = "tiny"
 def server():
     """A tiny random model over SmolLM2's tokenizer (and chat template), served on a free
     port from a thread; yields (base url, the engine's LLM, a reference LLM)."""
-    try:
-        checkpoint = smollm2()
-    except ModelNotInstalled as missing:
-        pytest.skip(str(missing))
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    model = from_hf(tiny_hf("qwen2-mqa-d32-tied", vocab_size=len(tokenizer)))
+    tokenizer, model = tiny_over_smollm2_tokenizer()
     llm = LLM(model, tokenizer=tokenizer, block_size=4, num_gpu_blocks=512, max_num_seqs=16,
               max_model_len=256)
     reference = LLM(model, tokenizer=tokenizer, block_size=4, num_gpu_blocks=512)
