@@ -12,7 +12,10 @@ the engine's ``record_function`` scopes (``pagedlab::*``) less the ops inside it
 
 from __future__ import annotations
 
+import os
+import sys
 from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -83,10 +86,25 @@ def classify(events, steps: int) -> StepProfile:
 
 def profile_steps(llm, steps: int) -> StepProfile:
     """Profile the next ``steps`` calls of ``llm.step()`` (run them on one thread)."""
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             llm.step()
     return classify(prof.events(), steps)
+
+
+@contextmanager
+def _quiet_stderr():
+    """torch's profiler (Kineto) logs its start and stop from C++ straight to file descriptor
+    2, past Python's ``sys.stderr`` and into a chapter's output: point it at /dev/null."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def decode_gemms(model, batch: int):

@@ -31,7 +31,7 @@ def test_the_gemm_floor_counts_two_flops_per_weight_and_row():
     assert flops == 2 * 3 * weights
 
 
-def test_every_class_of_a_decode_step_is_seen():
+def test_every_class_of_a_decode_step_is_seen(capfd):
     model = from_hf(tiny_hf("llama-gqa-d64"))
     llm = LLM(model, block_size=4, num_gpu_blocks=64)
     for i, prompt in enumerate(random_prompts([5, 7, 9], model.args.vocab_size)):
@@ -46,3 +46,4 @@ def test_every_class_of_a_decode_step_is_seen():
         assert profile.ms[row] > 0, row
     assert profile.ops_per_step > 3 * 10  # a few ops per layer at least
     assert sum(share for *_, share in profile.rows()) == pytest.approx(1.0)
+    assert "profiler_start" not in capfd.readouterr().err  # Kineto's log kept out of chapters
