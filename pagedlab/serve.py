@@ -1,7 +1,7 @@
 """An OpenAI-compatible HTTP server over the engine: ``python -m pagedlab.serve``.
 
 ``/v1/completions`` and ``/v1/chat/completions`` (whole, or streamed as server-sent events),
-``/v1/models`` and ``/health``, served by FastAPI and uvicorn over one
+``/v1/models``, ``/health`` and ``/metrics`` (Prometheus, vLLM's names), served by FastAPI and uvicorn over one
 :class:`~pagedlab.engine.async_llm.AsyncLLM`: every request joins the running batch at the next
 step, and a client that disconnects mid-stream has its request aborted and its blocks freed.
 Bad input gets OpenAI's error object with HTTP 400, and the others are served on. By default
@@ -16,12 +16,14 @@ import json
 import time
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pagedlab.engine.async_llm import AsyncLLM
 from pagedlab.engine.llm import LLM
 from pagedlab.engine.sampling import SamplingParams
 from pagedlab.engine.text import InvalidPrompt, chat_prompt
+from pagedlab.metrics import ServerMetrics
 
 SAMPLING_FIELDS = {  # OpenAI request field -> SamplingParams field (same meaning)
     "n": "n", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed",
@@ -56,6 +58,7 @@ def build_app(llm: LLM, model_name: str):
 
     async def lifespan(app):
         state["engine"] = AsyncLLM(llm)  # its loop task lives in the server's event loop
+        state["metrics"] = ServerMetrics(state["engine"], model_name)
         yield
         await state["engine"].shutdown()
 
@@ -70,6 +73,11 @@ def build_app(llm: LLM, model_name: str):
     async def health():
         return {}
 
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(state["metrics"].registry),
+                        media_type=CONTENT_TYPE_LATEST)
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model",
@@ -83,6 +91,7 @@ def build_app(llm: LLM, model_name: str):
         if not isinstance(body, dict):
             return error("the request body must be a JSON object")
         kind = "chat.completion" if chat else "text_completion"
+        arrival = time.monotonic()
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{next(ids)}"
         try:
             if body.get("model", model_name) != model_name:
@@ -126,16 +135,28 @@ def build_app(llm: LLM, model_name: str):
                     "total_tokens": prompt_tokens + completion}
 
         head = {"id": request_id, "created": created, "model": model_name}
+
+        async def timed():
+            """The request's outputs; the metrics record it once it finished."""
+            times, tokens = [], 0
+            async for out in _chain(first, stream):
+                now = sum(len(c.token_ids) for c in out.outputs)
+                if now > tokens:
+                    times.append(time.monotonic())
+                    tokens = now
+                if out.finished:
+                    state["metrics"].finished(out, arrival, times)
+                yield out
+
         if not body.get("stream"):
-            last = first
-            async for last in stream:
+            async for last in timed():
                 pass
             return {**head, "object": kind, "choices": choices(last, False),
                     "usage": usage(last)}
 
         async def events():
             try:
-                async for out in _chain(first, stream):
+                async for out in timed():
                     chunk = {**head, "object": f"{kind}.chunk" if chat else kind,
                              "choices": choices(out, True)}
                     yield f"data: {json.dumps(chunk)}\n\n"

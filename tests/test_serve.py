@@ -195,3 +195,28 @@ def test_python_m_pagedlab_serve_starts_answers_and_stops_on_sigterm():
     # by the signal it caught, as a process killed by it would
     assert "Application shutdown complete" in output, output
     assert proc.returncode in (0, -signal.SIGTERM), output
+
+
+def test_metrics_count_what_was_served_under_vllm_s_names(server):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    url, llm, _ = server
+
+    def scrape():
+        text = httpx.get(f"{url}/metrics", timeout=30).text
+        return {s.name: s.value for family in text_string_to_metric_families(text)
+                for s in family.samples if s.labels.get("model_name") == NAME}
+
+    before = scrape()
+    for _ in range(2):
+        client(url).completions.create(model=NAME, prompt="count me", **GREEDY)
+    after = scrape()
+    assert idle(llm) == 0
+    assert after["vllm:request_success_total"] - before["vllm:request_success_total"] == 2
+    assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == 24
+    assert after["vllm:time_to_first_token_seconds_count"] - before[
+        "vllm:time_to_first_token_seconds_count"] == 2
+    assert after["vllm:inter_token_latency_seconds_count"] - before[
+        "vllm:inter_token_latency_seconds_count"] == 2 * 11  # 12 tokens, 11 gaps each
+    assert after["vllm:num_requests_running"] == 0 and after["vllm:kv_cache_usage_perc"] == 0
+    assert after["vllm:num_preemptions_total"] >= 0 and "vllm:prefix_cache_hits_total" in after

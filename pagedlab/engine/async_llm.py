@@ -31,6 +31,7 @@ class AsyncLLM:
         self._pending: list[tuple] = []  # (request id, prompt, params): added between steps
         self._aborted: set[str] = set()
         self._wake = asyncio.Event()
+        self.num_preemptions = 0  # since start, for the server's metrics
         self._loop_task = asyncio.get_running_loop().create_task(self._run())
 
     async def generate(self, prompt, params, request_id: str) -> AsyncIterator[RequestOutput]:
@@ -96,6 +97,7 @@ class AsyncLLM:
                     if request_id in self._queues:
                         self._queues[request_id].put_nowait(error)
                 continue
+            self.num_preemptions += len(llm.last_step.preempted)
             for out in outputs:
                 queue = self._queues.get(out.request_id)
                 if queue is not None:
