@@ -35,12 +35,12 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.profiler import record_function
 
 from pagedlab.device import DEVICE, HAS_CUDA
 from pagedlab.footprint import ModelConfig
 from pagedlab.kernels.fp8_reference import FP8, dequantize
 from pagedlab.kernels.reference import gather_kv
+from pagedlab.profiling import scope
 
 KERNELS = {"triton": "pagedlab.kernels", "reference": "pagedlab.kernels.reference"}
 FP8_KERNELS = {"triton": "pagedlab.kernels.fp8", "reference": "pagedlab.kernels.fp8_reference"}
@@ -294,10 +294,10 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(n, -1, d)  # [n, num_kv_heads, D]
         # The runner built the slots and tables from the manager: checking their values would
         # only cost a device sync per call (check_values=False keeps the shape checks).
-        with record_function("pagedlab::cache_write"):  # scopes pagedlab.profiling reads
+        with scope("pagedlab::cache_write"):  # scopes pagedlab.profiling reads
             ops.reshape_and_cache(k, v, key_cache, value_cache, batch.slot_mapping,
                                   check_values=False)
-        with record_function("pagedlab::attention"):
+        with scope("pagedlab::attention"):
             out = self._attend(q, k, v, key_cache, value_cache, batch, ops)  # [n, num_heads, D]
         return self.o_proj(out.view(n, -1))  # [n, hidden]
 

@@ -22,7 +22,6 @@ import math
 import os
 import time
 
-from torch.profiler import record_function
 
 from pagedlab._arith import cdiv
 from pagedlab._checks import check_positive, lookup_preset
@@ -51,6 +50,7 @@ from pagedlab.engine.text import (
 )
 from pagedlab.memory import InvariantError, KVCacheManager
 from pagedlab.model import PagedLlama, from_pretrained
+from pagedlab.profiling import scope
 
 REQUEST_ERRORS = (InvalidPrompt, CacheTooSmall, TooManySequences)  # fail one request alone
 
@@ -272,7 +272,7 @@ class LLM:
         """One transactional step: on any error, abort everything in flight and forget the
         blocks cached before their keys and values were written, then re-raise."""
         try:
-            with record_function("pagedlab::step"):  # a scope pagedlab.profiling reads
+            with scope("pagedlab::step"):  # a scope pagedlab.profiling reads
                 step, ran, _ = run_step(self.scheduler, self.runner)
         except BaseException:
             self.scheduler.abort_all()

@@ -19,7 +19,6 @@ import os
 
 import torch
 from torch import Tensor
-from torch.profiler import record_function
 
 from pagedlab.engine.batch import PersistentBatch
 from pagedlab.engine.sampling import Sampler
@@ -27,6 +26,7 @@ from pagedlab.engine.step import Step, StepOutput
 from pagedlab.footprint import kv_bytes_per_token
 from pagedlab.kernels.fp8_reference import FP8
 from pagedlab.model import ForwardBatch, PagedLlama, Prefill
+from pagedlab.profiling import scope
 
 CPU_KVCACHE_SPACE = "PAGEDLAB_CPU_KVCACHE_SPACE"  # GiB of KV cache on a CPU (vLLM's CPU backend
 DEFAULT_CPU_KVCACHE_GIB = 1.0  # reads VLLM_CPU_KVCACHE_SPACE the same way); 1 GiB if unset
@@ -138,13 +138,13 @@ class ModelRunner:
         end (a partial prompt chunk samples nothing)."""
         if step.is_empty:
             return StepOutput([])
-        with record_function("pagedlab::prepare"):  # scopes pagedlab.profiling reads
+        with scope("pagedlab::prepare"):  # scopes pagedlab.profiling reads
             batch, last = self.prepare(step)
-        with record_function("pagedlab::forward"):
+        with scope("pagedlab::forward"):
             self._move_blocks(step)
             hidden = self.model(batch, self.kv_caches, self.kv_scale)  # [num_tokens, hidden]
             logits = self.model.compute_logits(hidden[last])  # [num_sampled, vocab], fp32
-        with record_function("pagedlab::sample"):
+        with scope("pagedlab::sample"):
             rows = {seq.seq_id: i for i, seq in enumerate(step.seqs)}
             return StepOutput(self.sampler(step.sampled_groups, rows, logits))
 
