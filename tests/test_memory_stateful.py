@@ -156,6 +156,33 @@ class MemoryMachine(RuleBasedStateMachine):
         self.write(sid, n)
 
     @precondition(lambda self: self.live(swapped=False))
+    @rule(data=st.data(), verified=symbols(min_size=1, max_size=2),
+          draft=symbols(min_size=1, max_size=5))
+    def speculate(self, data, verified, draft):
+        """A verification step: the pending token and unverified proposals get slots and are
+        written; rejection then keeps a prefix (the rest's slots go, empty blocks too)."""
+        sid = data.draw(st.sampled_from(self.live(swapped=False)))
+        n, new = len(self.tokens[sid]), verified + draft
+        fits = self.mgr.can_append(sid, len(new))
+        before = snapshot(self.mgr)
+        try:
+            self.mgr.append(sid, new, num_speculative=len(draft))
+        except OutOfBlocks:
+            assert not fits and snapshot(self.mgr) == before
+            return
+        self.copy(self.mgr.take_copies(), self.gpu_kv, self.gpu_kv)
+        self.tokens[sid] += new
+        self.write(sid, n)
+        cache = self.mgr.prefix_cache
+        if cache is not None:  # no block holding a proposal is indexed
+            unverified = self.mgr.block_table(sid)[(n + len(verified)) // self.bs:]
+            assert all(cache.tokens_of(b) is None for b in unverified)
+        self.expect_error(ValueError, self.mgr.truncate, sid, n + len(new) + 1)
+        keep = data.draw(st.integers(n + len(verified), n + len(new)))
+        self.mgr.truncate(sid, keep)
+        del self.tokens[sid][keep:]
+
+    @precondition(lambda self: self.live(swapped=False))
     @rule(data=st.data())
     def fork(self, data):
         parent, child = data.draw(st.sampled_from(self.live(swapped=False))), self.new_id()
@@ -310,4 +337,26 @@ def test_the_machine_catches_a_missing_copy_on_write(monkeypatch):
     never_copy = lambda self, n, pool: (growth(self, n, pool)[0], False)  # noqa: E731
     monkeypatch.setattr(BlockTable, "_growth", never_copy)
     with pytest.raises(AssertionError):  # InvariantError or a wrong token read back
+        run_state_machine_as_test(MemoryMachine, settings=QUICK)
+
+
+def test_the_machine_catches_a_cached_proposal(monkeypatch):
+    """Mutation check: a manager that caches blocks of unverified proposals must fail."""
+    append = KVCacheManager.append
+    monkeypatch.setattr(KVCacheManager, "append",
+                        lambda self, sid, toks, num_speculative=0: append(self, sid, toks))
+    with pytest.raises(AssertionError):
+        run_state_machine_as_test(MemoryMachine, settings=QUICK)
+
+
+def test_the_machine_catches_a_rollback_that_keeps_blocks(monkeypatch):
+    """Mutation check: a truncate that forgets tokens but keeps their empty blocks must fail."""
+    def lazy_truncate(self, sid, num_tokens):
+        tokens = self._table(sid).token_ids
+        if not 0 < num_tokens <= len(tokens):
+            raise ValueError(num_tokens)
+        del tokens[num_tokens:]
+
+    monkeypatch.setattr(KVCacheManager, "truncate", lazy_truncate)
+    with pytest.raises((AssertionError, InvariantError)):
         run_state_machine_as_test(MemoryMachine, settings=QUICK)

@@ -38,7 +38,7 @@ class Forward:
 
     def __call__(self, step: Step) -> torch.Tensor:
         """Logits of every token of the step, [num_tokens, vocab]."""
-        batch, _ = self.runner.prepare(step)
+        batch, *_ = self.runner.prepare(step)
         return self.model.compute_logits(self.model(batch, self.runner.kv_caches))
 
     def prefill(self, seq_id: int, tokens: list[int]) -> Chunk:

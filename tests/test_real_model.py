@@ -142,6 +142,19 @@ def test_chunked_prefill_under_preemption_keeps_replies(real, mode):
     assert llm.stats.preemptions > 0
 
 
+def test_ngram_speculation_keeps_replies(real):
+    """Speculative decoding with prompt lookup, prompts chunked and the system prompt cached:
+    the replies do not change (a verified token is the one plain decoding picks)."""
+    llm = LLM(real["model"], tokenizer=real["tokenizer"], block_size=16,
+              enable_prefix_caching=True, max_num_batched_tokens=32, max_num_seqs=4,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    outs = llm.generate(real["texts"], GREEDY, use_tqdm=False)
+    assert token_ids(outs) == real["refs"]
+    stats = llm.scheduler.spec_stats
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
+    assert llm.stats.prefix_hits > 0
+
+
 def test_prefix_cache_hits_the_shared_system_prompt(real):
     """The chat template puts the same system prompt before every question: its full blocks are
     computed once and hit by the later requests, and the replies do not change."""

@@ -82,7 +82,9 @@ class LLM:
     :class:`~pagedlab.engine.policy.Policy`; ``record_events`` keeps the manager's event log
     (``llm.manager.events``); ``decode_batch_sizes`` pads every step's decodes with dummy rows
     up to the smallest of these sizes that holds them, as replaying CUDA graphs captured at
-    those sizes would (vLLM's ``cudagraph_capture_sizes``; no graph is captured here yet).
+    those sizes would (vLLM's ``cudagraph_capture_sizes``; no graph is captured here yet);
+    ``speculative_config`` (vLLM's, e.g. ``{"method": "ngram", "num_speculative_tokens": 4}``)
+    turns on speculative decoding (:mod:`pagedlab.engine.speculative`).
     """
 
     def __init__(
@@ -108,6 +110,7 @@ class LLM:
         scheduling_policy: str | Policy = "fcfs",
         record_events: bool = False,
         decode_batch_sizes: tuple[int, ...] = (),
+        speculative_config: dict | None = None,
     ):
         check_positive("block_size", block_size, integer=True)
         if not (isinstance(gpu_memory_utilization, (int, float)) and 0 < gpu_memory_utilization <= 1):
@@ -165,6 +168,7 @@ class LLM:
             max_model_len=self.max_model_len,
             policy=lookup_preset("scheduling_policy", scheduling_policy, POLICIES, Policy,
                                  "policies"),
+            speculative_config=speculative_config,
         )
         self.manager = KVCacheManager(
             num_gpu_blocks, block_size, num_cpu_blocks,

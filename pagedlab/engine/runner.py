@@ -139,14 +139,14 @@ class ModelRunner:
         if step.is_empty:
             return StepOutput([])
         with scope("pagedlab::prepare"):  # scopes pagedlab.profiling reads
-            batch, last = self.prepare(step)
+            batch, last, rows = self.prepare(step)
         with scope("pagedlab::forward"):
             self._move_blocks(step)
             hidden = self.model(batch, self.kv_caches, self.kv_scale)  # [num_tokens, hidden]
-            logits = self.model.compute_logits(hidden[last])  # [num_sampled, vocab], fp32
+            logits = self.model.compute_logits(hidden[last])  # [num_logits, vocab], fp32
         with scope("pagedlab::sample"):
-            rows = {seq.seq_id: i for i, seq in enumerate(step.seqs)}
-            return StepOutput(self.sampler(step.sampled_groups, rows, logits))
+            drafts = {c.seq.seq_id: c.draft for c in step.decodes if c.draft}
+            return StepOutput(self.sampler(step.sampled_groups, rows, logits, drafts))
 
     def _move_blocks(self, step: Step) -> None:
         """Swaps first, then copy-on-write: the order the manager's docstring requires."""
@@ -167,33 +167,41 @@ class ModelRunner:
             ops.copy_blocks([_movable(k) for k in keys], [_movable(v) for v in values], mapping,
                             check_values=False)
 
-    def prepare(self, step: Step) -> tuple[ForwardBatch, Tensor]:
-        """The step as tensors, and the row of each sampling chunk's last token (its logits).
-        Everything comes from the step's chunks: the runner never asks the manager. Block
-        tables come from the persistent batch, which writes only what changed."""
+    def prepare(self, step: Step) -> tuple[ForwardBatch, Tensor, dict[int, int]]:
+        """The step as tensors; the token rows whose logits are needed (each sampling chunk's
+        last, and a speculative decode's proposals too), and each sampled sequence's first row
+        among those logits. Everything comes from the step's chunks: the runner never asks
+        the manager. Block tables come from the persistent batch, which writes only what
+        changed.
+
+        Chunks of several query tokens (prefill chunks, then speculative decodes) attend like
+        prefills, causal within the chunk; one-token decodes go to the decode kernel.
+        """
         def tensor(values, dtype):
             return torch.tensor(values, dtype=dtype, device=self.model.device)
 
-        ids, positions, slots, last = [], [], [], []
-        for chunk in step.chunks:  # prefill chunks, then decodes
+        ranged, decodes = step.ranged, step.single
+        ids, positions, slots, last, first_row = [], [], [], [], {}
+        for chunk in ranged + decodes:
             ids += chunk.token_ids
             positions += range(chunk.start, chunk.context_len)
             slots += chunk.slots
             if chunk.samples:
-                last.append(len(ids) - 1)
-        rows = self.batch.update(step.chunks)
-        num_prefills, seq_lens = len(step.prefills), [c.context_len for c in step.decodes]
+                first_row[chunk.seq.seq_id] = len(last)
+                last += range(len(ids) - 1 - len(chunk.draft), len(ids))
+        rows = self.batch.update(ranged + decodes)
+        num_prefills, seq_lens = len(ranged), [c.context_len for c in decodes]
         decode_tables = self.batch.gather(rows[num_prefills:])  # [num_decodes, longest]
-        pad = self._padding(len(step.decodes))
+        pad = self._padding(len(decodes))
         if pad:  # dummy decodes: token 0 at position 0, written nowhere, reading one slot
             ids, positions, slots = ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad
             seq_lens += [1] * pad
             decode_tables = torch.cat([decode_tables,
                                        decode_tables.new_zeros(pad, decode_tables.shape[1])])
         prefill_tables = self.batch.gather(rows[:num_prefills])  # [num_prefills, longest]
-        starts = [0, *itertools.accumulate(c.num_tokens for c in step.prefills)]  # rows
+        starts = [0, *itertools.accumulate(c.num_tokens for c in ranged)]  # rows
         prefills = [Prefill(starts[i], starts[i + 1], c.start, prefill_tables[i])
-                    for i, c in enumerate(step.prefills)]
+                    for i, c in enumerate(ranged)]
         batch = ForwardBatch(
             input_ids=tensor(ids, torch.int64),  # [num_tokens]
             positions=tensor(positions, torch.int64),  # [num_tokens]
@@ -202,10 +210,10 @@ class ModelRunner:
             block_tables=decode_tables,  # [num_decodes (+ padding), longest]
             seq_lens=tensor(seq_lens, torch.int32),  # [num_decodes (+ padding)]
             prefill_start_loc=tensor(starts, torch.int32),  # [num_prefills + 1]
-            prefill_lens=tensor([c.context_len for c in step.prefills], torch.int32),
+            prefill_lens=tensor([c.context_len for c in ranged], torch.int32),
             prefill_tables=prefill_tables,
         )
-        return batch, tensor(last, torch.int64)
+        return batch, tensor(last, torch.int64), first_row
 
     def _padding(self, num_decodes: int) -> int:
         """Dummy decodes that bring the batch to the smallest of ``decode_batch_sizes`` that

@@ -18,6 +18,7 @@ from torch import Tensor
 from pagedlab._checks import check_positive
 from pagedlab.engine.beams import beam_step
 from pagedlab.engine.sequence import GroupOutput, SequenceGroup, SequenceOutput
+from pagedlab.engine.speculative import verify_greedy, verify_sampled
 
 GREEDY_BELOW = 1e-5  # a temperature this small means greedy, as in vLLM
 
@@ -88,29 +89,37 @@ class SamplingParams:
         return [torch.Generator(device=device).manual_seed(self.seed + i) for i in range(self.n)]
 
 
-def sample_tokens(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor,
-                  generators) -> Tensor:
-    """One token per row of ``logits`` [rows, vocab], each row with its own ``temperature``,
-    ``top_k`` (<= 0: off) and ``top_p`` ([rows] each) and generator (None: torch's global one).
-
-    Top-k keeps a row's k largest logits, top-p then keeps the smallest set of those whose
-    probabilities (renormalized) reach p. The draw is an exponential race: with E_i ~ Exp(1)
-    independent, ``argmax_i p_i / E_i`` is token i with probability p_i, so one noise tensor
-    and one argmax sample the whole batch; only the noise is drawn row by row, for rows that
-    carry their own generator.
-    """
+def filtered_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """The distribution each row of ``logits`` [rows, vocab] is sampled from: softmax at the
+    row's ``temperature``, keeping its ``top_k`` largest logits (<= 0: all), then the smallest
+    set of those whose probabilities (renormalized) reach ``top_p`` ([rows] each).
+    Probabilities [rows, vocab], in vocabulary order."""
     rows, vocab = logits.shape
     logits = logits / temperature[:, None]  # [rows, vocab]
-    order = None
     if bool((top_k > 0).any()) or bool((top_p < 1).any()):
-        logits, order = logits.sort(-1, descending=True)  # [rows, vocab] each
+        ordered, order = logits.sort(-1, descending=True)  # [rows, vocab] each
         k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)  # [rows]
         ranks = torch.arange(vocab, device=logits.device)
-        logits = logits.masked_fill(ranks >= k[:, None], float("-inf"))
-        probs = logits.softmax(-1)
+        ordered = ordered.masked_fill(ranks >= k[:, None], float("-inf"))
+        probs = ordered.softmax(-1)
         drop = probs.cumsum(-1) - probs > top_p[:, None]  # mass before a token already > p
-        logits = logits.masked_fill(drop, float("-inf"))
-    probs = logits.softmax(-1)  # [rows, vocab]
+        ordered = ordered.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(1, order, ordered)  # back to vocab order
+    return logits.softmax(-1)
+
+
+def sample_tokens(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor,
+                  generators) -> Tensor:
+    """One token per row of ``logits`` [rows, vocab] from :func:`filtered_probs` (each row
+    with its own ``temperature``, ``top_k``, ``top_p`` and generator; None: torch's global
+    one).
+
+    The draw is an exponential race: with E_i ~ Exp(1) independent, ``argmax_i p_i / E_i``
+    is token i with probability p_i, so one noise tensor and one argmax sample the whole
+    batch; only the noise is drawn row by row, for rows that carry their own generator.
+    """
+    probs = filtered_probs(logits, temperature, top_k, top_p)  # [rows, vocab]
+    rows = probs.shape[0]
     noise = torch.empty_like(probs)
     own = [i for i, g in enumerate(generators) if g is not None]
     for i in own:
@@ -119,8 +128,7 @@ def sample_tokens(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Ten
         shared = torch.ones(rows, dtype=torch.bool, device=logits.device)
         shared[own] = False
         noise[shared] = torch.empty_like(noise[shared]).exponential_()
-    tokens = (probs / noise).argmax(-1)  # [rows]
-    return tokens if order is None else order.gather(1, tokens[:, None])[:, 0]
+    return (probs / noise).argmax(-1)  # [rows]
 
 
 class Sampler:
@@ -131,9 +139,13 @@ class Sampler:
     draw takes its noise from its request's own generator, so it does not depend on its batch.
     """
 
-    def __call__(self, groups: list[SequenceGroup], rows: dict[int, int], logits: Tensor):
-        """``rows`` maps a sequence id to its row of ``logits`` [num_seqs, vocab] (fp32)."""
-        logprobs = logits.log_softmax(-1)  # [num_seqs, vocab]
+    def __call__(self, groups: list[SequenceGroup], rows: dict[int, int], logits: Tensor,
+                 drafts: dict[int, list[int]] | None = None):
+        """``rows`` maps a sequence id to its (first) row of ``logits`` [rows, vocab] (fp32);
+        ``drafts`` a speculative decode's sequence id to its proposals, verified by the
+        ``len(draft) + 1`` rows from there (:mod:`pagedlab.engine.speculative`)."""
+        logprobs = logits.log_softmax(-1)  # [rows, vocab]
+        drafts = drafts or {}
         draws, outputs = [], []  # draws: (group, seq, row, generator) of every sampled child
         for group in groups:
             seqs = group.live
@@ -145,14 +157,41 @@ class Sampler:
                 pairs = [(seq, generator) for generator in group.generators]
             else:
                 pairs = [(s, group.generators[s.index]) for s in seqs]
-            draws += [(group, seq, rows[seq.seq_id], gen) for seq, gen in pairs]
-            outputs.append(GroupOutput(group, []))
+            out = GroupOutput(group, [])
+            for seq, gen in pairs:
+                if seq.seq_id in drafts:
+                    out.children.append(self._verify(group, seq, rows[seq.seq_id], gen, logits,
+                                                     logprobs, drafts[seq.seq_id]))
+                else:
+                    draws.append((group, seq, rows[seq.seq_id], gen))
+            outputs.append(out)
         children = {id(out.group): out.children for out in outputs}
         for (group, seq, row, _), token in zip(draws, self._tokens(logits, draws)):
             k = group.params.logprobs
             top = None if k is None else top_logprobs(logprobs[row], k, token)
             children[id(group)].append(SequenceOutput(seq, token, float(logprobs[row, token]), top))
         return outputs
+
+    @staticmethod
+    def _verify(group, seq, row, generator, logits, logprobs, draft) -> SequenceOutput:
+        """Verify a speculative decode's ``draft`` on its ``len(draft) + 1`` rows."""
+        rows = slice(row, row + len(draft) + 1)
+        p = group.params
+        if p.greedy:
+            tokens = verify_greedy(logits[rows].argmax(-1), draft)
+        else:
+            def column(value, dtype):  # [len(draft) + 1]
+                return torch.full((len(draft) + 1,), value, dtype=dtype, device=logits.device)
+
+            probs = filtered_probs(logits[rows], column(p.temperature, logits.dtype),
+                                   column(p.top_k, torch.int64), column(p.top_p, logits.dtype))
+            tokens = verify_sampled(probs, draft, None, generator)
+        scored = []
+        for i, token in enumerate(tokens):
+            lp = logprobs[row + i]
+            top = None if p.logprobs is None else top_logprobs(lp, p.logprobs, token)
+            scored.append((token, float(lp[token]), top))
+        return SequenceOutput(seq, *scored[-1], accepted=scored[:-1])
 
     @staticmethod
     def _tokens(logits: Tensor, draws) -> list[int]:

@@ -55,6 +55,7 @@ from pagedlab._checks import check_positive
 from pagedlab.engine.beams import BeamSearchParams
 from pagedlab.engine.policy import FCFS, Policy, enqueue, ranked
 from pagedlab.engine.sequence import GroupOutput, GroupStatus, Sequence, SequenceGroup
+from pagedlab.engine.speculative import SpecDecodingStats, SpeculativeConfig
 from pagedlab.engine.stats import StepStats
 from pagedlab.engine.step import Chunk, Step
 from pagedlab.memory import KVCacheManager
@@ -89,8 +90,11 @@ class SchedulerConfig:
     policy: Policy = FCFS()  # the order of admission, decode, preemption and swap-in
     chunked_prefill: bool = True  # False: prompts prefilled whole (the paper's vLLM, V0)
     max_model_len: int | None = None  # the longest sequence; sizes the unchunked budget
+    speculative_config: SpeculativeConfig | dict | None = None  # proposals per decode
 
     def __post_init__(self):
+        object.__setattr__(self, "speculative_config",
+                           SpeculativeConfig.of(self.speculative_config))
         check_positive("max_num_seqs", self.max_num_seqs, integer=True)
         if not isinstance(self.chunked_prefill, bool):
             raise TypeError(f"chunked_prefill={self.chunked_prefill!r} must be a bool")
@@ -137,6 +141,9 @@ class Scheduler:
         self.swapped: list[SequenceGroup] = []
         self.unfinished: dict[str, SequenceGroup] = {}  # by request id, whatever their queue
         self.num_steps = 0
+        spec = self.config.speculative_config
+        self.proposer = None if spec is None else spec.proposer()
+        self.spec_stats = SpecDecodingStats()
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
 
@@ -292,8 +299,32 @@ class Scheduler:
                 self.running.append(group)
                 self._fail(group, self._too_small(group, need + self.manager.num_used_blocks),
                            step)
+        if self.proposer is not None:
+            self._speculate(step)
         for group in prefilling:
             self._prefill_next(group, step)
+
+    def _speculate(self, step: Step) -> None:
+        """Give this step's decodes proposals to verify, while the budget and the free blocks
+        last: after every running group has its token, so speculation never preempts anyone.
+        The proposals' slots are reserved now and given back by :meth:`update` for those the
+        verification rejects; until then no block holding one enters the prefix cache."""
+        k_max, left = self.config.speculative_config.num_speculative_tokens, self._budget_left(step)
+        index = {c.seq.seq_id: i for i, c in enumerate(step.decodes)}
+        for group in step.groups:
+            if group.is_beam_search:
+                continue
+            for seq in group.live:
+                k = min(k_max, left, self._room(seq),
+                        group.params.max_tokens - len(seq.output_token_ids) - 1,  # the bonus
+                        k_max if group.max_len is None else group.max_len - len(seq) - 1)
+                draft = self.proposer.propose(seq.token_ids, k) if k > 0 else []
+                if draft:
+                    self.manager.append(seq.seq_id, draft, num_speculative=len(draft))
+                    step.decodes[index[seq.seq_id]] = Chunk.of(
+                        self.manager, seq, len(seq) - 1, 1 + len(draft), True, draft)
+                    step.num_draft_tokens += len(draft)
+                    left -= len(draft)
 
     def _prefill_next(self, group: SequenceGroup, step: Step) -> None:
         """The next chunk of a group still prefilling: as many of its tokens as the budget and
@@ -436,7 +467,7 @@ class Scheduler:
 
     def _budget_left(self, step: Step) -> int:
         """Tokens the step can still take (none once a prefill too big for the budget ran)."""
-        used = sum(c.num_tokens for c in step.prefills) + len(step.decodes)
+        used = sum(c.num_tokens for c in step.prefills) + len(step.decodes) + step.num_draft_tokens
         return max(0, self.config.token_budget - used)
 
     def _blocks_to_decode(self, group: SequenceGroup) -> int:
@@ -496,6 +527,7 @@ class Scheduler:
             blocks_swapped_out=len(step.swap_out),
             blocks_swapped_in=len(step.swap_in),
             blocks_copied=len(step.copies),
+            draft_tokens=step.num_draft_tokens,
         )
 
     # --- after the step ---------------------------------------------------------------------
@@ -507,7 +539,6 @@ class Scheduler:
         serve prefix hits from now on (see :meth:`KVCacheManager.rollback` for a step that
         failed instead).
         """
-        self.manager.commit()
         finished = []
         for out in outputs:
             group = out.group
@@ -521,6 +552,7 @@ class Scheduler:
                 self.running.remove(group)
                 self._finished(group)
                 finished.append(group)
+        self.manager.commit()
         return finished
 
     def _apply(self, group: SequenceGroup, children) -> None:
@@ -548,9 +580,18 @@ class Scheduler:
         if plan and group.metrics.first_token_time is None:
             group.metrics.first_token_time = time.monotonic()
         for seq, child in plan:
-            seq.append(child.token, child.logprob, child.top)
-            if not group.is_beam_search:
-                self._check_stop(group, seq)
+            proposed = self.manager.num_tokens(seq.seq_id) - len(seq)
+            if proposed:  # a verification step: the cache keeps what it accepted
+                self.manager.truncate(seq.seq_id, len(seq) + len(child.accepted))
+                self.spec_stats.observe(proposed, len(child.accepted))
+                group.metrics.num_draft_tokens += proposed
+                group.metrics.num_accepted_tokens += len(child.accepted)
+            for token, logprob, top in [*child.accepted, (child.token, child.logprob, child.top)]:
+                seq.append(token, logprob, top)
+                if not group.is_beam_search:
+                    self._check_stop(group, seq)
+                    if seq.is_finished:
+                        break
 
     def _check_stop(self, group: SequenceGroup, seq: Sequence) -> None:
         """Finish a sampled sequence at a stop token or string, at ``max_tokens`` or at the

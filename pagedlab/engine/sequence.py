@@ -79,6 +79,8 @@ class RequestMetrics:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
+    num_draft_tokens: int = 0  # speculative decoding: tokens proposed for the request
+    num_accepted_tokens: int = 0  # and those its verification steps kept
 
     @property
     def time_to_first_token(self) -> float | None:
@@ -156,6 +158,8 @@ class SequenceOutput:
     token: int
     logprob: float
     top: dict[int, float] | None = None  # the top log-probabilities, if the request asks
+    # speculative decoding: the proposals verified before ``token``, (token, logprob, top) each
+    accepted: list[tuple[int, float, dict[int, float] | None]] = field(default_factory=list)
 
 
 @dataclass

@@ -23,10 +23,11 @@ class StepStats:
     blocks_swapped_in: int = 0
     blocks_copied: int = 0  # copy-on-write copies
     kv_tokens_read: int = 0  # cached keys attention reads: prefill chunks' prefixes, decodes'
+    draft_tokens: int = 0  # speculative proposals the decodes verify
 
     @property
     def batched_tokens(self) -> int:
-        return self.prefill_tokens + self.decode_seqs
+        return self.prefill_tokens + self.decode_seqs + self.draft_tokens
 
 
 @dataclass

@@ -35,13 +35,16 @@ class Chunk:
     block_table: list[int]  # the sequence's GPU blocks, this step's included
     slots: list[int]  # cache slot of each query token: where its key and value go
     is_decode: bool = False
+    draft: list[int] = field(default_factory=list)  # proposals after a decode's token
 
     @classmethod
     def of(cls, manager: KVCacheManager, seq: Sequence, start: int, num_tokens: int,
-           is_decode: bool = False) -> Chunk:
-        """``num_tokens`` tokens of ``seq`` from ``start``, once ``manager`` holds them."""
+           is_decode: bool = False, draft: list[int] = ()) -> Chunk:
+        """``num_tokens`` tokens of ``seq`` from ``start`` (its last ``len(draft)`` the
+        proposals ``draft``), once ``manager`` holds them."""
         slots = manager.slot_mapping(seq.seq_id, start, start + num_tokens)
-        return cls(seq, start, num_tokens, manager.block_table(seq.seq_id), slots, is_decode)
+        return cls(seq, start, num_tokens, manager.block_table(seq.seq_id), slots, is_decode,
+                   list(draft))
 
     @property
     def context_len(self) -> int:
@@ -50,12 +53,15 @@ class Chunk:
 
     @property
     def token_ids(self) -> list[int]:
+        if self.draft:  # a speculative decode: the pending token, then the proposals
+            return [self.seq.token_ids[self.start], *self.draft]
         return self.seq.token_ids[self.start : self.context_len]
 
     @property
     def samples(self) -> bool:
-        """Does the chunk reach the sequence's last token, whose logits pick the next one?"""
-        return self.context_len == len(self.seq)
+        """Does the chunk reach the sequence's last token, whose logits pick the next one?
+        (A speculative decode's logits at each proposal verify it, too.)"""
+        return self.context_len - len(self.draft) == len(self.seq)
 
 
 @dataclass
@@ -72,6 +78,7 @@ class Step:
     swapped_in: list[SequenceGroup] = field(default_factory=list)
     failed: list[SequenceGroup] = field(default_factory=list)  # can never run: finished
     partial: list[SequenceGroup] = field(default_factory=list)  # prefilling, not sampling yet
+    num_draft_tokens: int = 0  # proposals the decodes carry (speculative decoding)
     stats: StepStats | None = None
 
     @property
@@ -80,9 +87,16 @@ class Step:
         return self.prefills + self.decodes
 
     @property
-    def seqs(self) -> list[Sequence]:
-        """The sequences sampled this step, in the order of the logits' rows."""
-        return [c.seq for c in self.chunks if c.samples]
+    def ranged(self) -> list[Chunk]:
+        """Chunks of several query tokens, attended like prompts (causal within the chunk):
+        prefill chunks, then speculative decodes (the pending token and its proposals)."""
+        verifies = [c for c in self.decodes if c.draft]
+        return self.prefills + verifies if verifies else self.prefills
+
+    @property
+    def single(self) -> list[Chunk]:
+        """One-token decodes: the decode kernel's batch."""
+        return [c for c in self.decodes if not c.draft] if self.num_draft_tokens else self.decodes
 
     @property
     def sampled_groups(self) -> list[SequenceGroup]:

@@ -66,17 +66,17 @@ class PrefixStats:
 class Event:
     """One step of the manager's history, for replay (``record_events=True``).
 
-    ``kind`` is allocate, append, fork, cow, free, evict, swap_out or swap_in. ``blocks`` are
-    the blocks taken (allocate, append), shared (fork), released (free: CPU blocks if the
-    sequence was swapped out) or evicted (evict, whose ``seq_id`` is None: the next event's
-    sequence caused it); ``pairs`` the (src, dst) copies (cow, swap_out, swap_in).
+    ``kind`` is allocate, append, fork, cow, free, truncate, evict, swap_out or swap_in.
+    ``blocks`` are the blocks taken (allocate, append), shared (fork), released (free: CPU
+    blocks if the sequence was swapped out; truncate) or evicted (evict, whose ``seq_id`` is
+    None: the next event's sequence caused it); ``pairs`` the (src, dst) copies (cow, swap_out, swap_in).
     """
 
     kind: str
     seq_id: Hashable
     blocks: tuple[int, ...] = ()
     pairs: tuple[tuple[int, int], ...] = ()
-    num_tokens: int = 0  # allocate: prompt tokens; append: new tokens
+    num_tokens: int = 0  # allocate: prompt tokens; append: new tokens; truncate: tokens cut
     cached_tokens: int = 0  # allocate: prompt tokens served from the prefix cache
     parent: Hashable = None  # fork: the sequence forked from
 
@@ -194,11 +194,14 @@ class KVCacheManager:
             self._record("allocate", seq_id, blocks, num_tokens=n, cached_tokens=cached)
         return cached
 
-    def append(self, seq_id: Hashable, token_ids: Sequence[int]) -> None:
+    def append(self, seq_id: Hashable, token_ids: Sequence[int], *,
+               num_speculative: int = 0) -> None:
         """Store decoded ``token_ids`` after ``seq_id``'s tokens, taking blocks as they fill.
 
         A shared, partly filled last block is copied first; the pair goes to
-        :meth:`take_copies`. :class:`OutOfBlocks` leaves the sequence as it was.
+        :meth:`take_copies`. :class:`OutOfBlocks` leaves the sequence as it was. The last
+        ``num_speculative`` tokens are proposals not yet verified: they get slots, but no
+        block holding one enters the prefix cache until :meth:`truncate` keeps it.
         """
         try:
             table = self._running[seq_id]
@@ -206,6 +209,9 @@ class KVCacheManager:
             table = self._table(seq_id)  # raises, saying why
         tokens, bs = table.token_ids, self.block_size
         n, num_new = len(tokens), len(token_ids)
+        if not 0 <= num_speculative <= num_new:
+            raise ValueError(f"sequence {seq_id!r}: num_speculative={num_speculative} must be "
+                             f"in [0, {num_new}], the tokens appended")
         room = -n % bs  # free slots in the last block
         if 0 < num_new <= room and self.gpu.refcount(table.blocks[-1]) == 1 and (
                 self.events is None):
@@ -226,9 +232,37 @@ class KVCacheManager:
                 if copy is not None:
                     self._record("cow", seq_id, pairs=(copy,))
                 self._record("append", seq_id, table.blocks[num_blocks:], num_tokens=num_new)
-        cache = self.prefix_cache
-        if cache is not None and (n + num_new) // bs > n // bs:  # blocks filled: cache them
-            cache.insert(table.blocks, table.keys, cache.extend_keys(table.keys, tokens), n // bs)
+        self._cache_full_blocks(table, n + num_new - num_speculative)
+
+    def truncate(self, seq_id: Hashable, num_tokens: int) -> None:
+        """Keep the first ``num_tokens`` tokens of running ``seq_id``: the slots of the tokens
+        after them are released, and a block left empty goes back to the pool (a verification
+        step rejected proposals). Only unverified tokens may go: a block the prefix cache holds
+        is never cut. The full blocks kept are cached now."""
+        table = self._table(seq_id)
+        n, bs = len(table.token_ids), self.block_size
+        check_positive("num_tokens", num_tokens, integer=True)
+        verified = len(table.keys) * bs if table.keys is not None else 0
+        if not verified <= num_tokens <= n:
+            raise ValueError(
+                f"sequence {seq_id!r}: cannot keep {num_tokens} of its {n} tokens; need "
+                f"{verified} <= num_tokens <= {n} (its first {verified} are in cached blocks)"
+            )
+        released = table.blocks[cdiv(num_tokens, bs):]
+        del table.blocks[cdiv(num_tokens, bs):]
+        del table.token_ids[num_tokens:]
+        self.gpu.release(released[::-1])
+        if self.events is not None:
+            self._record("truncate", seq_id, released[::-1], num_tokens=n - num_tokens)
+        self._cache_full_blocks(table, num_tokens)
+
+    def _cache_full_blocks(self, table: BlockTable, num_verified: int) -> None:
+        """Cache the table's full blocks among its first ``num_verified`` tokens not yet
+        cached (nothing without prefix caching)."""
+        cache, done = self.prefix_cache, len(table.keys or ())
+        if cache is not None and num_verified // self.block_size > done:
+            chunks = cache.extend_keys(table.keys, table.token_ids[:num_verified])
+            cache.insert(table.blocks, table.keys, chunks, done)
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         """Start ``child_id`` as a copy of ``parent_id`` that shares all its blocks (no copy)."""

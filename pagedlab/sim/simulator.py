@@ -29,6 +29,7 @@ from pagedlab.engine.scheduler import Scheduler, SchedulerConfig
 from pagedlab.engine.step import Placeholders, Step, StepOutput, run_step
 from pagedlab.memory import KVCacheManager
 from pagedlab.memory.contiguous import CATEGORIES
+from pagedlab.sim.calibration import step_shape
 from pagedlab.sim.cost_model import CostModel
 from pagedlab.sim.memory_sim import SimResult, make_memory, simulate
 from pagedlab.sim.traces import Request, clip_to_context, synthetic_requests
@@ -42,21 +43,35 @@ TOKEN = 0  # the placeholder every simulated step "samples"
 
 class SimExecutor:
     """Stands where the model runner stands: a step's time from the cost model, and one
-    placeholder token per sequence (``n`` of them for a parallel-sampling prompt)."""
+    placeholder token per sequence (``n`` of them for a parallel-sampling prompt).
 
-    def __init__(self, cost: CostModel, block_size: int):
+    With speculative decoding, a verification step is priced as its chunks are (the pending
+    token and ``k`` proposals per sequence, attended like a prefill chunk), and each proposal
+    is accepted with probability ``acceptance_rate``, independently, until the first
+    rejection (the model behind Leviathan et al.'s expected speed-up)."""
+
+    def __init__(self, cost: CostModel, block_size: int, acceptance_rate: float = 0.0,
+                 seed: int = 0):
         self.cost, self.block_size = cost, block_size
         self.placeholders = Placeholders(TOKEN)
+        self.acceptance_rate, self.rng = acceptance_rate, np.random.default_rng(seed)
 
     def execute(self, step: Step) -> StepOutput:
         """What ``step`` costs and produces."""
-        decode_lens = [c.context_len for c in step.decodes]
-        seconds = self.cost.step_time(
-            [c.num_tokens for c in step.prefills], decode_lens, self.block_size,
-            prefill_starts=[c.start for c in step.prefills])
+        shape = step_shape(step)
+        seconds = self.cost.step_time(shape.prefill_lens, shape.decode_lens, self.block_size,
+                                      prefill_starts=shape.prefill_starts)
         moved = len(step.swap_out) + len(step.swap_in)
         swap = self.cost.swap_time(moved, self.block_size) if moved else 0.0
-        return StepOutput(self.placeholders.outputs(step), seconds, swap)
+        outputs = self.placeholders.outputs(step)
+        if step.num_draft_tokens:
+            drafts = {c.seq.seq_id: len(c.draft) for c in step.decodes if c.draft}
+            for child in (c for out in outputs for c in out.children):
+                k = drafts.get(child.parent.seq_id, 0)
+                accepted = int(np.argmin(np.append(self.rng.random(k) < self.acceptance_rate,
+                                                   False)))  # leading acceptances
+                child.accepted = [(TOKEN, 0.0, None)] * accepted
+        return StepOutput(outputs, seconds, swap)
 
 
 @dataclass(frozen=True)
@@ -69,6 +84,7 @@ class PagedConfig:
     num_gpu_blocks: int | None = None  # None: what the GPU holds once the weights are loaded
     scheduler: SchedulerConfig = SchedulerConfig()
     n: int = 1  # parallel samples per request
+    acceptance_rate: float = 0.0  # of each speculative proposal (scheduler.speculative_config)
 
 
 def simulate_paged(
@@ -91,7 +107,7 @@ def simulate_paged(
     if sched_config.max_model_len is None and cost.max_context:
         sched_config = replace(sched_config, max_model_len=cost.max_context)
     scheduler = scheduler_class(manager, sched_config)
-    executor = SimExecutor(cost, bs)
+    executor = SimExecutor(cost, bs, config.acceptance_rate)
     params = {r.id: SamplingParams(n=config.n, max_tokens=r.output_len, ignore_eos=True)
               for r in requests}
     pending = sorted(requests, key=lambda r: (r.arrival, r.id))

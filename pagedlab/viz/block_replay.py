@@ -92,6 +92,10 @@ def caption(event: Event, swapped: bool = False) -> str:
         return f"copy-on-write for seq {seq}: shared partial block {src} copied to block {dst}"
     if kind == "free":
         return f"free seq {seq}: release {'CPU' if swapped else 'GPU'} {blocks}"
+    if kind == "truncate":
+        n = event.num_tokens
+        text = f"roll back seq {seq}: {n} rejected token{'s' * (n != 1)}"
+        return text + (f", release {blocks}" if event.blocks else "")
     if kind == "evict":
         return f"evict cached {blocks} (least recently used)"
     if kind in ("swap_out", "swap_in"):
@@ -161,6 +165,9 @@ def replay(
                 raise ValueError(f"event {i}: seq {seq} copies block {src}, not its last block")
             tables[seq] = (*tables[seq][:-1], dst)
             touched = (src, dst)
+        elif kind == "truncate":
+            tables[seq] = tables[seq][: len(tables[seq]) - len(e.blocks)]
+            tokens[seq] -= e.num_tokens
         elif kind == "free":
             (tables if seq in tables else swapped).pop(seq)
             del tokens[seq]
