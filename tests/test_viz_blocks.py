@@ -42,7 +42,7 @@ def random_workload(seed, steps=300, prefix_caching=True):
     running, swapped, checkpoints, next_id = [], [], [], 0
     for _ in range(steps):
         op = rng.choice(["allocate", "allocate", "append", "append", "append", "fork", "free",
-                         "free", "swap_out", "swap_in", "swap_in"])
+                         "free", "swap_out", "swap_in", "swap_in", "speculate"])
         try:
             if op == "allocate":
                 prompt = rng.choice(prefixes) + [rng.randrange(3) for _ in range(rng.randrange(4))]
@@ -51,6 +51,11 @@ def random_workload(seed, steps=300, prefix_caching=True):
                 next_id += 1
             elif op == "append" and running:
                 mgr.append(rng.choice(running), [rng.randrange(3)] * rng.randint(1, 3))
+            elif op == "speculate" and running:  # a verification step: keep a prefix
+                seq, k = rng.choice(running), rng.randint(1, 4)
+                n = mgr.num_tokens(seq)
+                mgr.append(seq, [rng.randrange(3) for _ in range(1 + k)], num_speculative=k)
+                mgr.truncate(seq, n + 1 + rng.randint(0, k))
             elif op == "fork" and running:
                 mgr.fork(rng.choice(running), next_id)
                 running.append(next_id)
@@ -83,7 +88,7 @@ SEEDS = range(6)
 def test_the_workloads_exercise_every_event_kind():
     for prefix_caching in (True, False):
         events = [e for seed in SEEDS for e in random_workload(seed, 300, prefix_caching)[0].events]
-        kinds = {"allocate", "append", "fork", "cow", "free", "swap_out", "swap_in"}
+        kinds = {"allocate", "append", "fork", "cow", "free", "swap_out", "swap_in", "truncate"}
         assert kinds | ({"evict"} if prefix_caching else set()) == {e.kind for e in events}
         assert any(e.cached_tokens for e in events) == prefix_caching
 
