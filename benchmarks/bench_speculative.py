@@ -27,37 +27,7 @@ import torch
 from pagedlab import LLM, SamplingParams
 from pagedlab.device import describe
 from pagedlab.models import smollm2
-
-PARAGRAPHS = [  # the book's own sentences, misspelt on purpose
-    "A paged KV cache stores the keys and values of each sequense in fixed-size blocks. A "
-    "block table maps the logical blocks of a sequence to physical blocks, so memory is "
-    "alocated only when a block fills and is never reserved for tokens that do not exist.",
-    "Continuous batching lets new requests join a running batch at every step. When the "
-    "cache runs out of blocks, the scheduler preempts the latest arival and either swaps its "
-    "blocks to the CPU or frees them and recomputes its prompt later.",
-    "Prefix caching hashes each full block together with everything before it. A new prompt "
-    "that starts with the same tokens finds those blocks in the index and skips their "
-    "computation, which is why a shared system prompt costs almost nothing after the frist.",
-    "The decode kernel reads each sequence's keys through its block table, one block at a "
-    "time, and keeps a running maximum and sum so that the softmax never needs the whole row "
-    "at once. Split-KV launches spread a long context over several programs.",
-]
-QUESTIONS = [
-    "What would you pack for a week of hiking in the mountains?",
-    "Explain why the sky looks blue during the day.",
-    "Suggest three names for a small bakery and say why.",
-    "Describe how a bicycle gear system works.",
-]
-
-
-def conversations(kind: str, n: int) -> list[list[dict]]:
-    if kind == "editing":
-        texts = [f"Fix the spelling in this paragraph and return it unchanged otherwise:\n\n{p}"
-                 for p in PARAGRAPHS]
-    else:
-        texts = QUESTIONS
-    return [[{"role": "user", "content": texts[i % len(texts)]}] for i in range(n)]
-
+from pagedlab.prompts import conversations
 
 def serve(llm: LLM, chats, params) -> dict:
     start = time.process_time()

@@ -2,7 +2,8 @@
 
 Gauges and counters of the engine's state are read when Prometheus scrapes (a collector over
 the :class:`~pagedlab.engine.async_llm.AsyncLLM`): requests running and waiting, the share of
-KV blocks in use, preemptions, prefix-cache queries and hits. Per-request numbers are
+KV blocks in use, preemptions, prefix-cache queries and hits, speculative decoding's drafts
+and acceptances (in total and by position in the draft). Per-request numbers are
 observed by the server as each request ends: prompt and generated tokens, successes, and the
 latencies a client sees (time to first token, inter-token latency, end to end), in seconds of
 the wall clock, since a server's clients live by it.
@@ -45,6 +46,18 @@ class EngineCollector:
                            prefix.hits + prefix.misses)
         yield self._family(counter, "vllm:prefix_cache_hits",
                            "Prompt tokens found in the prefix cache.", prefix.hits)
+        spec = scheduler.spec_stats
+        for name, doc, value in (
+                ("num_drafts", "Drafts verified.", spec.num_drafts),
+                ("num_draft_tokens", "Draft tokens proposed.", spec.num_draft_tokens),
+                ("num_accepted_tokens", "Draft tokens accepted.", spec.num_accepted_tokens)):
+            yield self._family(counter, f"vllm:spec_decode_{name}", doc, value)
+        per_position = counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                               "Draft tokens accepted, by position in the draft.",
+                               labels=[*self.labels, "position"])
+        for position, value in enumerate(spec.accepted_per_position):
+            per_position.add_metric([*self.labels.values(), str(position)], value)
+        yield per_position
 
 
 class ServerMetrics:

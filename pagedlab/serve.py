@@ -196,6 +196,8 @@ def main(argv=None) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--enable-prefix-caching", action="store_true")
+    parser.add_argument("--speculative-config", type=json.loads, default=None,
+                        help='JSON, as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     args = parser.parse_args(argv)
     import torch
     import uvicorn
@@ -208,7 +210,8 @@ def main(argv=None) -> None:
     path = args.model or smollm2()
     llm = LLM(path, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching)
+              max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
+              speculative_config=args.speculative_config)
     name = args.served_model_name or str(path).rstrip("/").split("/")[-1]
     uvicorn.run(build_app(llm, name), host=args.host, port=args.port)
 

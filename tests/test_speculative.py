@@ -323,3 +323,26 @@ def test_the_simulator_prices_verification_and_yields_accepted_tokens():
     assert len(none.time) == len(plain.time) and none.time[-1] >= plain.time[-1]
     assert run(8, spec, 0.6).finish.max() < 0.7 * plain.finish.max()
     assert run(256, spec, 0.6).finish.max() > run(256).finish.max()
+
+
+def test_metrics_report_drafts_and_acceptances_under_vllm_s_names(case):
+    pytest.importorskip("prometheus_client")
+    from types import SimpleNamespace
+
+    from pagedlab.metrics import EngineCollector
+
+    refs = {tuple(p): r for p, r in zip(case["prompts"], case["refs"])}
+    llm = LLM(case["model"], block_size=4, num_gpu_blocks=64, speculative_config=NGRAM)
+    llm.scheduler.proposer = Oracle(refs, 0.4)
+    llm.generate(case["prompts"], GREEDY, use_tqdm=False)
+    collector = EngineCollector(SimpleNamespace(llm=llm, num_preemptions=0), "tiny")
+    samples = {(s.name, s.labels.get("position")): s.value
+               for family in collector.collect() for s in family.samples}
+    spec = llm.scheduler.spec_stats
+    assert samples["vllm:spec_decode_num_drafts_total", None] == spec.num_drafts > 0
+    assert samples["vllm:spec_decode_num_draft_tokens_total", None] == spec.num_draft_tokens
+    assert samples["vllm:spec_decode_num_accepted_tokens_total", None] == spec.num_accepted_tokens
+    per_position = [samples["vllm:spec_decode_num_accepted_tokens_per_pos_total", str(p)]
+                    for p in range(3)]
+    assert sum(per_position) == spec.num_accepted_tokens
+    assert per_position == sorted(per_position, reverse=True)  # position i needs i - 1 before

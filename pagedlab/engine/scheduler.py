@@ -38,6 +38,10 @@ first come first served (:class:`~pagedlab.engine.policy.FCFS`) unless another i
 6. A request that can never run, because the whole cache is too small for it, fails alone:
    it finishes with a :class:`CacheTooSmall` error of its own and its blocks are freed; the
    other requests go on.
+7. With speculative decoding (``speculative_config``), once every running group has its
+   token, decodes take proposals while the budget and the free blocks last; their slots are
+   reserved unverified and :meth:`Scheduler.update` truncates each sequence to what the
+   verification accepted, so no proposal outlives its step (chapter 12).
 
 Order within a step, as the manager requires: preempting comes before appending to a group,
 and a step's copies run swap first, then copy-on-write, then the forward pass.
