@@ -227,6 +227,23 @@ def test_every_accept_length_rolls_back_right_under_preemption(case, noise, mode
         assert 0 < stats.acceptance_rate < 1 and stats.accepted_per_position[1] > 0
 
 
+def test_parallel_samples_copy_their_shared_block_before_speculating(case):
+    """Two greedy samples per request share the prompt's last block after the fork; each
+    copies it before its pending token and proposals are written (copy-on-write), and both
+    still equal transformers' completion."""
+    refs = {tuple(p): r for p, r in zip(case["prompts"], case["refs"])}
+    llm = LLM(case["model"], block_size=4, num_gpu_blocks=64, enable_prefix_caching=True,
+              speculative_config=NGRAM, record_events=True)
+    llm.scheduler.proposer = Oracle(refs, 0.3)
+    params = SamplingParams(n=2, temperature=0, max_tokens=MAX_TOKENS)
+    outs = llm.generate(case["prompts"], params, use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in outs] == [[r, r] for r in case["refs"]]
+    assert any(e.kind == "cow" for e in llm.manager.events)
+    assert any(e.kind == "truncate" for e in llm.manager.events)
+    llm.manager.check_invariants()
+    assert llm.manager.num_used_blocks == 0
+
+
 def test_a_stop_token_among_accepted_proposals_ends_the_output_there(case):
     """Tokens accepted after the request's stop token are dropped with their slots."""
     refs = {tuple(p): r for p, r in zip(case["prompts"], case["refs"])}
