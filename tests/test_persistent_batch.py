@@ -70,9 +70,9 @@ def test_padding_the_decodes_changes_no_token():
         seen, prepare = [], padded.runner.prepare
 
         def spy(step):
-            batch, last = prepare(step)
+            batch, *rows = prepare(step)
             seen.append(batch.seq_lens.numel())  # decode rows, padding included
-            return batch, last
+            return batch, *rows
 
         padded.runner.prepare = spy
         want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
