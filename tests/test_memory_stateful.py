@@ -138,6 +138,19 @@ class MemoryMachine(RuleBasedStateMachine):
         for sid in batch:
             self.append(sid, data.draw(symbols(min_size=1, max_size=3)))
 
+    @precondition(lambda self: self.live(swapped=False))
+    @rule(data=st.data())
+    def decode_one_token_each(self, data):
+        """A decode step: blocks_to_append predicts exactly the blocks it takes."""
+        running = self.live(swapped=False)
+        batch = data.draw(st.lists(st.sampled_from(running), min_size=1, max_size=4, unique=True))
+        need, free = self.mgr.blocks_to_append(batch), self.mgr.num_free_blocks
+        if need > free:
+            return
+        for sid in batch:
+            self.append(sid, [data.draw(st.sampled_from([0, 1]))])
+        assert free - self.mgr.num_free_blocks == need
+
     def append(self, sid, new):
         n = len(self.tokens[sid])
         fits, free = self.mgr.can_append(sid, len(new)), self.mgr.num_free_blocks

@@ -292,7 +292,7 @@ class Scheduler:
             if self._prefilling(group):
                 prefilling.append(group)
                 continue
-            need = self._blocks_to_decode(group)
+            need = self.manager.blocks_to_append([s.seq_id for s in group.live])
             while need > self.manager.num_free_blocks and queue:
                 self._preempt(queue.pop(), step)  # the policy's last (FCFS: latest) gives way
             if need <= self.manager.num_free_blocks:
@@ -319,7 +319,7 @@ class Scheduler:
             if group.is_beam_search:
                 continue
             for seq in group.live:
-                k = min(k_max, left, self._room(seq),
+                k = min(k_max, left, self.manager.room(seq.seq_id),
                         group.params.max_tokens - len(seq.output_token_ids) - 1,  # the bonus
                         k_max if group.max_len is None else group.max_len - len(seq) - 1)
                 draft = self.proposer.propose(seq.token_ids, k) if k > 0 else []
@@ -343,7 +343,7 @@ class Scheduler:
         (seq,) = group.live
         self.running.append(group)
         start = self.manager.num_tokens(seq.seq_id)
-        n = min(len(seq) - start, self._budget_left(step), self._room(seq))
+        n = min(len(seq) - start, self._budget_left(step), self.manager.room(seq.seq_id))
         if n:
             self.manager.append(seq.seq_id, seq.token_ids[start : start + n])
             self._add_prefill(group, [Chunk.of(self.manager, seq, start, n)], step)
@@ -443,7 +443,7 @@ class Scheduler:
         ids = [s.seq_id for s in group.live]
         mode = self.config.preemption_mode
         if mode == "swap" and not self._prefilling(group) and self.manager.can_swap_out(*ids):
-            decode_need = self._blocks_to_decode(group)  # the same once it is back
+            decode_need = self.manager.blocks_to_append(ids)  # the same once it is back
             pairs = self.manager.swap_out(*ids)
             step.swap_out += pairs
             group.blocks_to_swap_in = len(pairs) + decode_need
@@ -464,30 +464,10 @@ class Scheduler:
         seqs = group.live
         return len(seqs) == 1 and self.manager.num_tokens(seqs[0].seq_id) < len(seqs[0]) - 1
 
-    def _room(self, seq: Sequence) -> int:
-        """Tokens ``seq`` can append now: the rest of its last block and every free block."""
-        bs = self.manager.block_size
-        return -self.manager.num_tokens(seq.seq_id) % bs + self.manager.num_free_blocks * bs
-
     def _budget_left(self, step: Step) -> int:
         """Tokens the step can still take (none once a prefill too big for the budget ran)."""
         used = sum(c.num_tokens for c in step.prefills) + len(step.decodes) + step.num_draft_tokens
         return max(0, self.config.token_budget - used)
-
-    def _blocks_to_decode(self, group: SequenceGroup) -> int:
-        """GPU blocks that appending one token to each live sequence takes, exactly: a fresh
-        block after a full last block; a copy of a shared, partly filled last block, except
-        for the last of its sharers to append, who finds it unshared by then."""
-        bs, need, sharers = self.manager.block_size, 0, {}
-        for seq in group.live:
-            if self.manager.num_tokens(seq.seq_id) % bs == 0:
-                need += 1
-            else:
-                last = self.manager.block_table(seq.seq_id)[-1]
-                sharers[last] = sharers.get(last, 0) + 1
-        for block, count in sharers.items():
-            need += count - (self.manager.gpu.refcount(block) == count)
-        return need
 
     def _blocks_to_resume(self, group: SequenceGroup) -> int:
         """GPU blocks a swapped group's return and next decode take, or a waiting group's

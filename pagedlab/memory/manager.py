@@ -147,6 +147,28 @@ class KVCacheManager:
         check_positive("num_tokens", num_tokens, integer=True)
         return self._table(seq_id).blocks_needed(num_tokens, self.gpu) <= self.gpu.num_free
 
+    def room(self, seq_id: Hashable) -> int:
+        """Tokens running ``seq_id`` can append now: the rest of its last block and every free
+        block (a shared last block would take one of those for its copy)."""
+        return -self.num_tokens(seq_id) % self.block_size + self.gpu.num_free * self.block_size
+
+    def blocks_to_append(self, seq_ids: Sequence[Hashable]) -> int:
+        """GPU blocks that appending one token to each of ``seq_ids`` (running, in this order)
+        takes, exactly: a fresh block after a full last block; a copy of a shared, partly
+        filled last block, except for the last of its sharers to append, who finds it
+        unshared by then."""
+        bs, need, sharers = self.block_size, 0, {}
+        for seq_id in seq_ids:
+            table = self._table(seq_id)
+            if len(table.token_ids) % bs == 0:
+                need += 1
+            else:
+                last = table.blocks[-1]
+                sharers[last] = sharers.get(last, 0) + 1
+        for block, count in sharers.items():
+            need += count - (self.gpu.refcount(block) == count)
+        return need
+
     # --- the request lifecycle --------------------------------------------------------------
 
     def cached_prefix(self, token_ids: Sequence[int]) -> int:
