@@ -179,15 +179,24 @@ MEASURE_JS = """async () => {
   return found;
 }"""
 
-# At a phone's width: whether the page itself scrolls sideways, and the widest culprits.
+# At a phone's width: whether the page itself scrolls sideways, and what sticks out of its
+# parent past the window's edge (inside no box that scrolls or clips).
 PAGE_SCROLL_JS = """() => {
   const doc = document.scrollingElement, width = doc.clientWidth;
   if (doc.scrollWidth <= width + 1) return null;
-  const wider = [...document.querySelectorAll("body *")]
-    .filter((el) => el.getBoundingClientRect().right > width + 1 && el.checkVisibility())
-    .filter((el) => ![...el.children].some((c) => c.getBoundingClientRect().right > width + 1));
-  return [doc.scrollWidth, wider.slice(0, 5).map((el) =>
-    `${el.tagName.toLowerCase()}.${el.className}: ${(el.innerText || "").slice(0, 40)}`)];
+  const out = (el) => el.getBoundingClientRect().right > width + 1;
+  const clipped = (el) => {
+    for (let a = el.parentElement; a; a = a.parentElement)
+      if (getComputedStyle(a).overflowX !== "visible") return a !== document.body && a !== doc;
+    return false;
+  };
+  const spills = (el) => el.clientWidth > 0 && el.scrollWidth > el.clientWidth + 1
+    && getComputedStyle(el).overflowX === "visible";  // its text runs out of it
+  const culprits = [...document.querySelectorAll("body *")].filter((el) =>
+    el.checkVisibility() && !clipped(el) && (out(el) && !out(el.parentElement)
+      || spills(el) && ![...el.children].some(spills)));
+  return [doc.scrollWidth, culprits.slice(0, 5).map((el) =>
+    `${el.tagName.toLowerCase()}.${el.className}: ${(el.innerText || "").slice(0, 50)}`)];
 }"""
 
 VISIBLE_FRAME_JS = """(player) => [...player.querySelectorAll('.pagedlab-frame')]
@@ -304,3 +313,13 @@ def test_built_chapter_prints_no_warning(chapter):
     assert printed or 'class="output' in html  # the pattern still finds MyST-NB's outputs
     warnings = [w.strip() for text in printed for w in PY_WARNING.findall(text)]
     assert not warnings, "\n".join(warnings)
+
+
+@pytest.mark.parametrize("chapter", sorted((ROOT / "book").glob("ch*.md")), ids=lambda p: p.stem)
+def test_built_chapter_numbers_its_equations_from_1(chapter):
+    """Equations are numbered per chapter, as its Colab copy numbers them (pagedlab.colab):
+    a chapter's first equation is (1), not the book's fifth."""
+    html = (BUILT / "book" / f"{chapter.stem}.html").read_text()
+    numbers = re.findall(r'<span class="eqno">\((\d+)\)', html)
+    labels = re.findall(r"^\$\$ *\((eq-[\w-]+)\)|^:label: *(eq-[\w-]+)", chapter.read_text(), re.M)
+    assert numbers == [str(i) for i in range(1, len(labels) + 1)]
