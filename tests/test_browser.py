@@ -262,7 +262,8 @@ def check_page(page, url: str, measure: bool = True) -> list[str]:
                             f"{at_zero} after the slider went to 0")
     SHOTS.mkdir(parents=True, exist_ok=True)
     name = url.split("/", 3)[-1].replace("/", "_").removesuffix(".html")
-    page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
+    # a long page on a busy machine takes more than playwright's 30 s to capture
+    page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True, timeout=300_000)
     return problems
 
 
