@@ -115,10 +115,12 @@ def browser():
 # scrolled sideways. A table may leave the text column only inside a full-width block (the
 # theme's `full-width` class or cell tag). Figure text: an inline SVG's <text> at its rendered
 # size; an SVG shown by <img> is fetched and its <text> scaled by the image's rendered width; a
-# PNG figure is drawn at >= 9 pt at its 1:1 size (pagedlab.viz.style, tests/test_viz_style.py),
-# i.e. >= 12 px, so it fails when shown under 3/4 of that size.
+# PNG's text cannot be read from the page: its smallest is taken as PNG_MIN_PT at its 1:1 size
+# (pagedlab.viz.style's fonts are 9 pt or more; a chapter's legend goes down to 7 pt), so it
+# fails when shown too small for that to read at 9 px.
+PNG_MIN_PT = 7
 MEASURE_JS = """async () => {
-  const MIN_PX = 9;
+  const MIN_PX = 9, PNG_MIN_PT = %s;
   document.querySelectorAll("main details").forEach((d) => { d.open = true; });
   const column = (document.querySelector("main article") || document.querySelector("main")
                   || document.body).getBoundingClientRect();
@@ -171,13 +173,14 @@ MEASURE_JS = """async () => {
     } else if (img.naturalWidth) {
       // Retina PNGs carry their 1:1 width in their style; others show 1 image px per CSS px.
       const natural = parseFloat(img.style.width) || img.naturalWidth;
-      const px = 12 * img.getBoundingClientRect().width / natural;
+      const px = PNG_MIN_PT * 96 / 72 * img.getBoundingClientRect().width / natural;
       if (px < MIN_PX - 0.05)
-        found.push(["figure text", img.currentSrc.split("/").pop().slice(0, 12), `9 pt shows at ${px.toFixed(1)} px`]);
+        found.push(["figure text", img.currentSrc.split("/").pop().slice(0, 12),
+                    `${PNG_MIN_PT} pt shows at ${px.toFixed(1)} px`]);
     }
   }
   return found;
-}"""
+}""" % PNG_MIN_PT
 
 # At a phone's width: whether the page itself scrolls sideways, and what sticks out of its
 # parent past the window's edge (inside no box that scrolls or clips).
