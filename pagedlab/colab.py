@@ -222,7 +222,9 @@ class Converter:
                 while j < len(lines) and lines[j].strip() != close:
                     j += 1
                 body = [b[len(fence["indent"]):] for b in lines[i + 1:j]]
-                out.extend(fence["indent"] + b for b in self.directive(d["name"], d["arg"], body))
+                # every line keeps the fence's indent (a hint inside a list item stays in it)
+                out.extend(fence["indent"] + b for part in self.directive(d["name"], d["arg"], body)
+                           for b in part.split("\n"))
                 i = j + 1
             elif fence:  # a plain code fence: copied as it is
                 j = i + 1

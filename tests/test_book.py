@@ -89,6 +89,18 @@ def test_converter_turns_every_myst_form_into_markdown(book):
         conv.markdown("```{unheardof}\nx\n```")
 
 
+def test_a_dropdown_in_a_list_item_stays_in_it(book):
+    """A hint folded under an exercise keeps the exercise's indent on every line: a line of it
+    starting "128." must not become a list item of its own (chapter 4's exercise 5 did)."""
+    text = "\n".join(["5. Find the block size.", "", "   ```{dropdown} Hint", "   Loop over 1, 2, 4, ...,",
+                      "   128. The waste grows.", "   ```", "", "6. Next."])
+    out = colab.Converter(book, "here", {}).markdown(text).split("\n")
+    details = out[out.index("   <details><summary>Hint</summary>"):out.index("   </details>") + 1]
+    assert [line for line in details if line.strip()] == [
+        "   <details><summary>Hint</summary>", "   Loop over 1, 2, 4, ...,",
+        "   128. The waste grows.", "   </details>"]
+
+
 @pytest.mark.parametrize("chapter", CHAPTERS, ids=lambda p: p.stem)
 def test_colab_notebook_installs_pagedlab_first_and_visibly(chapter):
     first = nbformat.read(chapter.with_suffix(".ipynb"), as_version=4).cells[0]

@@ -1,14 +1,19 @@
 """The built book as a reader's browser shows it: every page of `_build/html` in headless
 Chromium (Debian's `chromium`; `.ci/run` installs it), served over local HTTP.
 
-A page fails on a console error or an uncaught exception, on a table wider than the text that
-does not scroll, on code cut off on the right, or on a block player whose frame stays put when its controls are used. The
+A page fails on a console error or an uncaught exception, on a block player whose frame stays
+put when its controls are used, and on anything a reader cannot see at 1280 px: a table, a
+code or output block (`pre`, a source listing) wider than its box, whether cut off or scrolled
+sideways (a scrollbar hides what the prose quotes); a figure whose text shows under 9 px. At
+400 px a page must not scroll sideways. Collapsed outputs are opened before they are measured. The
 scripts a page loads from a CDN (MathJax, require.js, the widget manager) are served from the
 same versions' npm packages, fetched once into `_build/cdn`, so the test sees what an online
 reader sees without depending on those hosts. Screenshots at 1280 px go to `_build/screenshots`.
 Each chapter's page must also hold its executed outputs and a Colab button to its notebook.
 
 These are the only tests that read the build: `make test` runs the rest beside the build.
+`PAGEDLAB_BOOK_HTML` points them at another build's html folder (its `cdn` and `screenshots`
+are then beside it), e.g. a copy whose pages were edited by hand.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import functools
 import http.server
 import mimetypes
+import os
 import re
 import shutil
 import subprocess
@@ -26,9 +32,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-BUILT = ROOT / "_build" / "html"
-CDN_CACHE = ROOT / "_build" / "cdn"
-SHOTS = ROOT / "_build" / "screenshots"
+BUILT = Path(os.environ.get("PAGEDLAB_BOOK_HTML", ROOT / "_build" / "html")).resolve()
+CDN_CACHE = BUILT.parent / "cdn"
+SHOTS = BUILT.parent / "screenshots"
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
@@ -104,32 +110,103 @@ def browser():
         b.close()
 
 
-# Where each table's right edge is against the text column, and whether something scrolls it.
-TABLES_JS = """() => {
-  const text = (document.querySelector("main article") || document.querySelector("main")
-                || document.body).getBoundingClientRect();
-  const scrolls = (el) => {
-    for (let a = el; a && a !== document.body; a = a.parentElement) {
-      const o = getComputedStyle(a).overflowX;
-      if ((o === "auto" || o === "scroll") && a.getBoundingClientRect().right <= text.right + 1)
-        return true;
+# Everything a reader could miss at the page's width, as (kind, what, how it fails). Tables,
+# `pre` blocks and source listings must not be wider than their box: neither cut off nor
+# scrolled sideways. A table may leave the text column only inside a full-width block (the
+# theme's `full-width` class or cell tag). Figure text: an inline SVG's <text> at its rendered
+# size; an SVG shown by <img> is fetched and its <text> scaled by the image's rendered width; a
+# PNG's text cannot be read from the page: its smallest is taken as PNG_MIN_PT at its 1:1 size
+# (pagedlab.viz.style's fonts are 9 pt or more; a chapter's legend goes down to 7 pt), so it
+# fails when shown too small for that to read at 9 px.
+PNG_MIN_PT = 7
+MEASURE_JS = """async () => {
+  const MIN_PX = 9, PNG_MIN_PT = %s;
+  document.querySelectorAll("main details").forEach((d) => { d.open = true; });
+  const column = (document.querySelector("main article") || document.querySelector("main")
+                  || document.body).getBoundingClientRect();
+  const shown = (el) => el.checkVisibility();  // an SVG element has no offsetParent
+  const label = (el) => (el.innerText || el.getAttribute("alt") || "").trim().slice(0, 70);
+  const found = [];
+  const wide = (el) => el.scrollWidth > el.clientWidth + 1;
+  for (const t of document.querySelectorAll("main table")) {
+    if (!shown(t)) continue;
+    let right = column.right;
+    const full = t.closest(".full-width, .full_width, .tag_full-width, .tag_full_width");
+    if (full) right = Math.max(right, full.getBoundingClientRect().right);
+    let scroller = null;
+    for (let a = t.parentElement; a && a !== document.body; a = a.parentElement)
+      if (["auto", "scroll"].includes(getComputedStyle(a).overflowX) && wide(a)) { scroller = a; break; }
+    if (scroller)
+      found.push(["table", label(t), `scrolls sideways: ${scroller.scrollWidth - scroller.clientWidth} px hidden`]);
+    else if (t.getBoundingClientRect().right > right + 1)
+      found.push(["table", label(t), `${Math.round(t.getBoundingClientRect().right - right)} px past the column`]);
+  }
+  for (const p of document.querySelectorAll("main pre, main .pagedlab-source")) {
+    if (!shown(p)) continue;
+    if (wide(p)) found.push([p.closest(".cell_input") ? "code" : "output", label(p),
+                             `${p.scrollWidth - p.clientWidth} px wider than its box`]);
+  }
+  const svgText = (svg, scale, what) => {
+    for (const t of svg.querySelectorAll("text")) {
+      const px = parseFloat(t.getAttribute("font-size") || getComputedStyle(t).fontSize) * scale;
+      if (t.textContent.trim() && px < MIN_PX - 0.05) {
+        found.push(["figure text", `${what}: ${t.textContent.trim().slice(0, 30)}`, `${px.toFixed(1)} px`]);
+        return;  // one line per figure
+      }
     }
+  };
+  for (const svg of document.querySelectorAll("main svg")) {
+    if (!shown(svg) || svg.closest("mjx-container, .MathJax, button, .headerlink")) continue;
+    const box = svg.viewBox.baseVal;
+    const scale = box && box.width ? svg.getBoundingClientRect().width / box.width : 1;
+    svgText(svg, scale, "svg");
+  }
+  for (const img of document.querySelectorAll("main img")) {
+    if (!shown(img) || !img.closest(".cell_output, figure, .figure")) continue;
+    if (img.currentSrc.endsWith(".svg")) {
+      const doc = new DOMParser().parseFromString(await (await fetch(img.currentSrc)).text(),
+                                                  "image/svg+xml");
+      const svg = doc.documentElement;
+      const width = svg.viewBox.baseVal && svg.viewBox.baseVal.width
+                    || parseFloat(svg.getAttribute("width"));
+      svgText(svg, img.getBoundingClientRect().width / width, img.currentSrc.split("/").pop().slice(0, 12));
+    } else if (img.naturalWidth) {
+      // Retina PNGs carry their 1:1 width in their style; others show 1 image px per CSS px.
+      const natural = parseFloat(img.style.width) || img.naturalWidth;
+      const px = PNG_MIN_PT * 96 / 72 * img.getBoundingClientRect().width / natural;
+      if (px < MIN_PX - 0.05)
+        found.push(["figure text", img.currentSrc.split("/").pop().slice(0, 12),
+                    `${PNG_MIN_PT} pt shows at ${px.toFixed(1)} px`]);
+    }
+  }
+  return found;
+}""" % PNG_MIN_PT
+
+# At a phone's width: whether the page itself scrolls sideways, and what sticks out of its
+# parent past the window's edge (inside no box that scrolls or clips).
+PAGE_SCROLL_JS = """() => {
+  const doc = document.scrollingElement, width = doc.clientWidth;
+  if (doc.scrollWidth <= width + 1) return null;
+  const out = (el) => el.getBoundingClientRect().right > width + 1;
+  const clipped = (el) => {
+    for (let a = el.parentElement; a; a = a.parentElement)
+      if (getComputedStyle(a).overflowX !== "visible") return a !== document.body && a !== doc;
     return false;
   };
-  return [...document.querySelectorAll("main table")].filter((t) => t.offsetParent)
-    .filter((t) => t.getBoundingClientRect().right > text.right + 1 && !scrolls(t))
-    .map((t) => t.innerText.slice(0, 80));
+  const spills = (el) => el.clientWidth > 0 && el.scrollWidth > el.clientWidth + 1
+    && getComputedStyle(el).overflowX === "visible";  // its text runs out of it
+  const culprits = [...document.querySelectorAll("body *")].filter((el) =>
+    el.checkVisibility() && !clipped(el) && (out(el) && !out(el.parentElement)
+      || spills(el) && ![...el.children].some(spills)));
+  return [doc.scrollWidth, culprits.slice(0, 5).map((el) =>
+    `${el.tagName.toLowerCase()}.${el.className}: ${(el.innerText || "").slice(0, 50)}`)];
 }"""
-
-# Code cells whose text is wider than their box (cut off on the right).
-CODE_JS = """() => [...document.querySelectorAll("div.cell_input pre")]
-  .filter((p) => p.scrollWidth > p.clientWidth + 1).map((p) => p.innerText.slice(0, 60))"""
 
 VISIBLE_FRAME_JS = """(player) => [...player.querySelectorAll('.pagedlab-frame')]
   .findIndex((f) => !f.hidden)"""
 
 
-def check_page(page, url: str) -> list[str]:
+def check_page(page, url: str, measure: bool = True) -> list[str]:
     problems, external = [], []
 
     def route(r):
@@ -171,9 +248,11 @@ def check_page(page, url: str) -> list[str]:
     page.wait_for_function("!window.MathJax || !MathJax.startup || MathJax.startup.promise")
     page.evaluate("() => window.MathJax && MathJax.startup && MathJax.startup.promise")
     problems += [f"script from an unknown CDN: {u}" for u in external]
-    problems += [f"table wider than the page and not scrolled: {t!r}"
-                 for t in page.evaluate(TABLES_JS)]
-    problems += [f"code cut off on the right: {c!r}" for c in page.evaluate(CODE_JS)]
+    if not measure:  # the phone's width: only whether the page scrolls sideways
+        if scroll := page.evaluate(PAGE_SCROLL_JS):
+            problems.append(f"the page scrolls sideways: {scroll[0]} px wide; the widest: {scroll[1]}")
+        return problems
+    problems += [f"{kind} {what!r}: {how}" for kind, what, how in page.evaluate(MEASURE_JS)]
     for i, player in enumerate(page.query_selector_all(".pagedlab-player")):
         before = page.evaluate(VISIBLE_FRAME_JS, player)
         player.query_selector("[data-act=prev]" if before > 0 else "[data-act=next]").click()
@@ -186,7 +265,8 @@ def check_page(page, url: str) -> list[str]:
                             f"{at_zero} after the slider went to 0")
     SHOTS.mkdir(parents=True, exist_ok=True)
     name = url.split("/", 3)[-1].replace("/", "_").removesuffix(".html")
-    page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
+    # a long page on a busy machine takes more than playwright's 30 s to capture
+    page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True, timeout=300_000)
     return problems
 
 
@@ -195,6 +275,16 @@ def test_page_reads_in_a_browser(path, server, browser):
     page = browser.new_page(viewport={"width": 1280, "height": 900})
     try:
         problems = check_page(page, f"{server}/{path.relative_to(BUILT).as_posix()}")
+    finally:
+        page.close()
+    assert not problems, f"{len(problems)} problems:\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize("path", PAGES, ids=lambda p: str(p.relative_to(BUILT)))
+def test_page_fits_a_phone(path, server, browser):
+    page = browser.new_page(viewport={"width": 400, "height": 800})
+    try:
+        problems = check_page(page, f"{server}/{path.relative_to(BUILT).as_posix()}", measure=False)
     finally:
         page.close()
     assert not problems, "\n".join(problems)
@@ -210,3 +300,31 @@ def test_built_chapter_has_outputs_and_a_colab_button_to_its_notebook(chapter):
     links = set(re.findall(r"colab\.research\.google\.com/github/[^/]+/[^/]+/blob/[^/]+/([^\"]+)", html))
     assert links == {f"book/{chapter.stem}.ipynb"}
     assert 'class="output' in html, "no executed output in the built chapter"
+
+
+# A cell's printed output, as MyST-NB writes it: streams (merged) and stderr.
+PRINTED = re.compile(r'<div class="output (?:stream|stderr)[^"]*"><div class="highlight"><pre>'
+                     r"(.*?)</pre>", re.S)
+PY_WARNING = re.compile(r"^.*\b\w*Warning: .*$", re.M)
+
+
+@pytest.mark.parametrize("chapter", sorted((ROOT / "book").glob("ch*.md")), ids=lambda p: p.stem)
+def test_built_chapter_prints_no_warning(chapter):
+    """A Python warning in an output (matplotlib's "layout has changed to tight", a
+    deprecation) is noise above a figure or a table: the chapter must not cause it."""
+    html = (BUILT / "book" / f"{chapter.stem}.html").read_text()
+    printed = [re.sub(r"<[^>]+>", "", block) for block in PRINTED.findall(html)]
+    # the pattern still reads every printed output MyST-NB writes
+    assert len(printed) == len(re.findall(r'class="output (?:stream|stderr)', html))
+    warnings = [w.strip() for text in printed for w in PY_WARNING.findall(text)]
+    assert not warnings, "\n".join(warnings)
+
+
+@pytest.mark.parametrize("chapter", sorted((ROOT / "book").glob("ch*.md")), ids=lambda p: p.stem)
+def test_built_chapter_numbers_its_equations_from_1(chapter):
+    """Equations are numbered per chapter, as its Colab copy numbers them (pagedlab.colab):
+    a chapter's first equation is (1), not the book's fifth."""
+    html = (BUILT / "book" / f"{chapter.stem}.html").read_text()
+    numbers = re.findall(r'<span class="eqno">\((\d+)\)', html)
+    labels = re.findall(r"^\$\$ *\((eq-[\w-]+)\)|^:label: *(eq-[\w-]+)", chapter.read_text(), re.M)
+    assert numbers == [str(i) for i in range(1, len(labels) + 1)]

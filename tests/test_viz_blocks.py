@@ -181,6 +181,17 @@ def test_every_snapshot_renders_well_formed_svg_and_a_matching_view():
     assert {"32/32", "8/32"} <= {t.text for t in root.iter(f"{SVG}text")}
 
 
+def test_every_text_reads_at_9_px_in_the_books_column():
+    """The book shows a view at its own width when that fits the 688-px text column, so its
+    font sizes are the sizes a reader sees (tests/test_browser.py measures the built pages)."""
+    mgr, _ = random_workload(seed=5)
+    for snap in history(mgr)[::10]:
+        root = ET.fromstring(block_svg(snap))
+        assert float(root.get("width")) <= 688
+        sizes = {float(t.get("font-size")) for t in root.iter(f"{SVG}text")}
+        assert min(sizes) >= 9, snap.caption
+
+
 def test_the_player_holds_a_frame_per_event_and_shows_one():
     """Every step is pre-rendered, so the page needs no kernel; only the start step shows
     before the script runs, and the script drives the slider, buttons and frames it names."""

@@ -3,6 +3,7 @@ states and heads as the inputs hold, labelled with the inputs' own numbers."""
 
 import dataclasses
 import math
+import warnings
 
 import matplotlib
 import pytest
@@ -127,6 +128,17 @@ def test_traffic_bars_segments_are_the_bytes():
     fig = D.traffic_bars(loads)
     widths = [r.get_width() for r in D.artists(fig, "segment")]
     assert widths == [2, 2, 0, 4, 2, 0.5]
+
+
+def test_traffic_bars_warn_nothing_under_the_books_style():
+    """The book's style lays figures out with constrained layout; a helper that asks for tight
+    layout on top makes matplotlib print a UserWarning above the figure in the book."""
+    from pagedlab.viz import style
+
+    with matplotlib.rc_context(), warnings.catch_warnings():
+        style.use()
+        warnings.simplefilter("error")
+        D.traffic_bars({"one": {"key": 2048, "value": 2048}})
 
 
 @pytest.mark.parametrize("query_lens,tile_q", [([1, 1, 37, 1, 20], 8), ([5], 16), ([16, 16], 16),

@@ -1,4 +1,5 @@
-"""Tables: numbers right-aligned and padded apart in HTML and text, wide tables scroll."""
+"""Tables: numbers right-aligned and padded apart in HTML and text; text and headers wrap at
+spaces (never at a hyphen) so a table fits a narrow page; a table still too wide scrolls."""
 
 import xml.etree.ElementTree as ET
 
@@ -19,8 +20,24 @@ def test_numeric_columns_are_right_aligned_and_text_left():
         assert "padding" in style, "cells without padding run together"
         assert ("text-align:right" in style) == (i % 4 != 0)
     assert "overflow-x:auto" in root.get("style"), "a table wider than the page must scroll"
-    assert [c.text for c in cells[4:8]] == ["azure_conv_2023", "4.0", "39%", "1.2x"]
-    assert "white-space:nowrap" in cells[4].get("style"), "a short name must not break"
+    assert ["".join(c.itertext()) for c in cells[4:8]] == ["azure_conv_2023", "4.0", "39%", "1.2x"]
+    assert all("white-space:nowrap" in c.get("style") for c in cells[5:8]), "a number must not break"
+
+
+def test_text_and_headers_break_at_spaces_only():
+    t = Table(["model", "KV per 2,048-token request (GiB)", "values/token/layer"],
+              [["OPT-13B on an A100-40GB", "1.6", "10,240"]])
+    root = ET.fromstring(t._repr_html_())
+    th_model, th_kv, th_values, td_model = [c for c in root.iter() if c.tag in ("th", "td")][:4]
+    for cell in (th_kv, td_model):  # the whole cell may wrap ...
+        assert "nowrap" not in cell.get("style")
+        assert "".join(cell.itertext()) == {th_kv: t.header[1], td_model: t.rows[0][0]}[cell]
+        # ... but each hyphenated word is one unbreakable piece
+        unbroken = [s.text for s in cell.iter("span") if "white-space:nowrap" in s.get("style")]
+        words = [w for w in "".join(cell.itertext()).split(" ") if "-" in w]
+        assert unbroken == words
+    # a header's long word may break after a slash (the <wbr/> after each)
+    assert [e.tail for e in th_values.iter("wbr")] == ["token/", "layer"]
 
 
 def test_text_keeps_columns_apart_and_aligned():

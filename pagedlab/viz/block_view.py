@@ -20,7 +20,8 @@ PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#1
 USERS_FILL = ["#ffffff", "#d0e2f3", "#8db6dd", "#3b75af"]  # 0, 1, 2, 3+ users
 PARKED_FILL = "#fff1c2"
 EVENT = "#e8590c"  # outline of what the event touched, and the copy-on-write arrow
-BOX_W, BOX_H, GAP, LABEL_W = 54, 38, 6, 118  # a logical block, the sequence label
+BOX_W, BOX_H, GAP, LABEL_W = 54, 46, 6, 118  # a logical block, the sequence label
+MIN_FONT = 9  # px at 1:1; the book shows these SVGs at their own width (tests/test_browser.py)
 CELL, CELL_GAP, POOL_COLS = 32, 4, 16  # a physical block in the pool grid
 PAD = 10
 
@@ -49,16 +50,16 @@ def _logical_block(x, y, j, block, fill, block_size, color, on_cpu, touched) -> 
     """Logical block ``j``: its physical block, and its slots, the first ``fill`` of them used."""
     stroke, width = (EVENT, 3) if touched else ("#999" if on_cpu else color, 1.5)
     parts = [_rect(x, y, BOX_W, BOX_H, "#fff", stroke, width, dash=on_cpu),
-             _text(x + 3, y + 9, f"L{j}", 7, fill="#888"),
-             _text(x + BOX_W / 2, y + 17, f"cpu {block}" if on_cpu else block, 12, "middle",
+             _text(x + 3, y + 10, f"L{j}", MIN_FONT, fill="#666"),
+             _text(x + BOX_W / 2, y + 24, f"cpu {block}" if on_cpu else block, 12, "middle",
                    weight="bold")]
     slots = min(block_size, 16)  # larger blocks: 16 cells show the fraction used
     w = (BOX_W - 8) / slots
     used = fill if block_size <= 16 else round(fill / block_size * slots)
     for s in range(slots):
-        parts.append(f'<rect x="{x + 4 + s * w:g}" y="{y + 21}" width="{max(w - 1, 1):g}" '
+        parts.append(f'<rect x="{x + 4 + s * w:g}" y="{y + 28}" width="{max(w - 1, 1):g}" '
                      f'height="6" fill="{color if s < used else "#eee"}"/>')
-    parts.append(_text(x + BOX_W / 2, y + 36, f"{fill}/{block_size}", 8, "middle", "#555"))
+    parts.append(_text(x + BOX_W / 2, y + 44, f"{fill}/{block_size}", MIN_FONT, "middle", "#555"))
     return parts
 
 
@@ -70,9 +71,9 @@ def _tables(snap: Snapshot, colors, y: float, max_blocks: int) -> tuple[list[str
     event_seq = snap.event.seq_id if snap.event is not None else None
     for seq_id, blocks, on_cpu in rows:
         color = colors.get(seq_id, "#555")
-        parts.append(_text(PAD, y + 16, f"seq {seq_id}", 12, fill=color, weight="bold"))
+        parts.append(_text(PAD, y + 19, f"seq {seq_id}", 12, fill=color, weight="bold"))
         where = "swapped to CPU" if on_cpu else f"{snap.num_tokens[seq_id]} tokens"
-        parts.append(_text(PAD, y + 31, where, 10, fill="#666"))
+        parts.append(_text(PAD, y + 35, where, 10, fill="#666"))
         fills = snap.fills(seq_id)
         for j, (block, fill) in enumerate(zip(blocks[:max_blocks], fills)):
             x = PAD + LABEL_W + j * (BOX_W + GAP)
@@ -80,7 +81,7 @@ def _tables(snap: Snapshot, colors, y: float, max_blocks: int) -> tuple[list[str
             parts += _logical_block(x, y, j, block, fill, snap.block_size, color, on_cpu, touched)
         x = PAD + LABEL_W + min(len(blocks), max_blocks) * (BOX_W + GAP)
         if len(blocks) > max_blocks:
-            parts.append(_text(x, y + 23, f"+{len(blocks) - max_blocks} more", 10, fill="#666"))
+            parts.append(_text(x, y + 27, f"+{len(blocks) - max_blocks} more", 10, fill="#666"))
             x += 60
         right = max(right, x)
         y += BOX_H + 10
@@ -113,7 +114,7 @@ def _pool(snap: Snapshot, colors, y: float) -> tuple[list[str], float, float]:
         parts.append(_rect(x, top, CELL, CELL, fill, stroke, width, dash=parked))
         parts.append(_text(x + CELL / 2, top + 14, b, 11, "middle", "#fff" if n >= 3 else "#222"))
         if n > 4:
-            parts.append(_text(x + CELL / 2, top + 27, f"x{n}", 9, "middle", "#fff"))
+            parts.append(_text(x + CELL / 2, top + 27, f"x{n}", MIN_FONT, "middle", "#fff"))
         for k, seq_id in enumerate(users.get(b, [])[:4]):  # one dot per user
             cx = x + CELL / 2 + (k - (min(n, 4) - 1) / 2) * 7
             parts.append(f'<circle cx="{cx:g}" cy="{top + 24}" r="2.6" '

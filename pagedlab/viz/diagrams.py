@@ -413,7 +413,7 @@ def traffic_bars(loads: Mapping[str, Mapping[str, int]], unit: int = 1024,
                  unit_name: str = "KiB") -> Figure:
     """Stacked horizontal bars: bytes each kernel (row) loads from each tensor (segment)."""
     tensors = list(dict.fromkeys(t for per in loads.values() for t in per))
-    fig, ax = plt.subplots(figsize=(WIDTH, 0.8 + 0.55 * len(loads)))
+    fig, ax = plt.subplots(figsize=(WIDTH, 0.8 + 0.55 * len(loads)), layout="constrained")
     for r, (kernel, per) in enumerate(loads.items()):
         left = 0.0
         for i, tensor in enumerate(tensors):
@@ -428,5 +428,4 @@ def traffic_bars(loads: Mapping[str, Mapping[str, int]], unit: int = 1024,
     ax.tick_params(labelsize=FONT)
     ax.legend(fontsize=FONT, ncols=min(len(tensors), 4), loc="lower center",
               bbox_to_anchor=(0.5, 1.0), frameon=False)
-    fig.tight_layout()
     return fig

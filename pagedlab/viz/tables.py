@@ -1,8 +1,9 @@
 """A table that shows as HTML in the book and as aligned text in a terminal or under nbval.
 
 The HTML carries its own inline style (the book's theme, Jupyter and Colab all keep it): padded
-cells, numeric columns right-aligned and never wrapped, and a box that scrolls sideways when the
-table is wider than the page, so a wide table is never cut off.
+cells, numeric columns right-aligned and never wrapped, other cells and every header wrapped at
+spaces only (never inside "Llama-2-7B"), so that a table fits the book's 688-px column as long
+as its numbers do; a box that scrolls sideways is the last resort, never the layout.
 """
 
 from __future__ import annotations
@@ -12,7 +13,17 @@ import re
 
 NUMBER = re.compile(r"^[+\-\u2212~<>\u2248]?\s*\$?[\d.,]+")  # "1,663", "-4%", "0.81x", "~2 GiB"
 CELL = "padding:0.25em 0.75em;border-bottom:1px solid #ddd;"
-SHORT = "white-space:nowrap;"
+NOWRAP = "white-space:nowrap;"
+
+
+def _wrap_at_spaces(text: str, slash: bool = False) -> str:
+    """HTML of ``text`` that may break at its spaces (and after a slash if ``slash``: a header
+    "values/token/layer") but not at a hyphen ("A100-40GB")."""
+    def word(w):
+        w = html.escape(w).replace("/", "/<wbr/>") if slash else html.escape(w)
+        return f'<span style="{NOWRAP}">{w}</span>' if "-" in w else w
+
+    return " ".join(map(word, text.split(" ")))
 
 
 class Table:
@@ -45,13 +56,16 @@ class Table:
         return "\n".join(text)
 
     def _repr_html_(self) -> str:
-        align = ["text-align:right;white-space:nowrap;" if num else "text-align:left;"
-                 for num in self.numeric()]
+        numeric = self.numeric()
 
-        def row(cells, tag):  # short text stays on one line: no "Llama-2-" above "7B"
-            return "<tr>" + "".join(
-                f'<{tag} style="{CELL}{a}{SHORT if tag == "td" and len(c) <= 24 else ""}">'
-                f"{html.escape(c)}</{tag}>" for c, a in zip(cells, align)) + "</tr>"
+        def cell(text, tag, num):  # a number never breaks; words break at spaces only
+            align = "text-align:right;" if num else "text-align:left;"
+            if tag == "td" and num:
+                return f'<td style="{CELL}{align}{NOWRAP}">{html.escape(text)}</td>'
+            return f'<{tag} style="{CELL}{align}">{_wrap_at_spaces(text, tag == "th")}</{tag}>'
+
+        def row(cells, tag):
+            return "<tr>" + "".join(cell(c, tag, n) for c, n in zip(cells, numeric)) + "</tr>"
 
         body = "".join(row(r, "td") for r in self.rows)
         return (f'<div class="pagedlab-table" style="overflow-x:auto;max-width:100%;">'
