@@ -8,7 +8,8 @@ the scheduler serves and preempts in: FCFS, priority, or your own), ``sampling``
 ``runner`` (the KV cache tensors and the model's forward pass), ``batch`` (the persistent
 batch of block-table rows), ``stats`` and ``outputs``
 (what a run reports), ``llm`` (the :class:`LLM` facade), ``async_llm`` (the engine online:
-requests arriving while others run, tokens streamed back).
+requests arriving while others run, tokens streamed back), ``speculative`` (proposals verified
+in one pass, rolled back where rejected: chapter 12).
 """
 
 from importlib import import_module
@@ -41,6 +42,8 @@ _EXPORTS = {
     "Sequence": "sequence",
     "SequenceGroup": "sequence",
     "SequenceOutput": "sequence",
+    "NgramProposer": "speculative",
+    "SpeculativeConfig": "speculative",
     "Step": "step",
     "StepOutput": "step",
     "Placeholders": "step",
