@@ -34,6 +34,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -177,7 +178,7 @@ def launch(kind: str, model_dir: str, extra: list[str], timeout: float = 600):
         raise ValueError(f"--launch {kind!r}: expected one of {', '.join(LAUNCHERS)}")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS":
            os.environ.get("OMP_NUM_THREADS", "1")}
-    log = open(RESULTS / f".serving-{kind}.log", "w")
+    log = open(Path(tempfile.gettempdir()) / f"bench-serving-{kind}-{port}.log", "w")
     proc = subprocess.Popen(command + extra, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
