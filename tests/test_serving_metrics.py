@@ -78,7 +78,7 @@ def test_empty_distributions_and_bad_duration():
 def test_arrivals_have_the_rate_and_the_burstiness_asked_for():
     assert arrival_offsets(5, math.inf).tolist() == [0.0] * 5
     n = 40_000
-    for shape in (0.25, 1.0, 4.0):  # gamma gaps: mean 1/rate, coefficient of variation 1/sqrt(shape)
+    for shape in (0.25, 1.0, 4.0):  # gamma gaps: mean 1/rate, variation coefficient 1/√shape
         offsets = arrival_offsets(n, 2.0, shape, np.random.default_rng(1))
         gaps = np.diff(offsets)
         assert offsets[0] == 0.0 and (gaps >= 0).all() and len(offsets) == n
