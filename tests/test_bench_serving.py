@@ -5,6 +5,7 @@ mixed lengths all get their full greedy outputs and no block is leaked."""
 
 import asyncio
 import importlib.util
+import json
 from pathlib import Path
 
 import numpy as np
@@ -79,3 +80,21 @@ def test_100_concurrent_streaming_clients_get_full_outputs_and_leak_no_block(ser
     params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for _, o in lengths]
     want = reference.generate(prompts, params, use_tqdm=False)
     assert [r.text for r in records] == [w.outputs[0].text for w in want]
+
+
+def test_the_command_line_writes_tables_and_settings(server, tmp_path, monkeypatch):  # noqa: F811
+    url, llm, _ = server
+    monkeypatch.setattr(bench, "RESULTS", tmp_path)
+    bench.main(["--base-url", url, "--dataset", "sharegpt", "--num-prompts", "3",
+                "--max-prompt-len", "16", "--max-output-len", "4", "--request-rate", "50",
+                "--goodput", "ttft:600000", "--result-name", "serving-test"])
+    saved = json.loads((tmp_path / "serving-test.json").read_text())
+    result = saved["results"][url]
+    assert result["model"] == NAME and result["wrong_length"] == 0 and not result["errors"]
+    summary = result["summary"]
+    assert summary["completed"] == 3 and summary["request_goodput"] == summary[
+        "request_throughput"]  # a 10-minute TTFT bound: every request is good
+    assert saved["settings"]["goodput_slo_ms"] == {"ttft": 600000.0}
+    table = (tmp_path / "serving-test.md").read_text()
+    assert "| Successful requests | 3 |" in table and "request_rate: 50.0" in table
+    assert idle(llm) == 0
