@@ -1,0 +1,147 @@
+"""What a client of an LLM server measures: TTFT, TPOT, ITL, end-to-end latency, throughput
+and goodput under an SLO, from the timestamps of each streamed request.
+
+The definitions are those of vLLM's serving benchmark (``benchmarks/benchmark_serving.py``,
+``calculate_metrics``, at commit 0049e29c), so numbers from ``benchmarks/bench_serving.py``
+read like the ones people quote:
+
+- TTFT: from sending the request to the first streamed chunk that carries text.
+- ITL: the gaps between consecutive text-carrying chunks, pooled over all requests.
+- TPOT: per request, ``(e2e - ttft) / (output_tokens - 1)``, for requests of two or more
+  tokens: the mean time per token after the first, whether tokens came one per chunk or not.
+- E2E latency: from sending the request to the end of its stream.
+- Throughput: completed requests and output tokens over the benchmark's duration (first send
+  to last completion); goodput counts only the requests that met every SLO given (a request
+  of one token has TPOT 0 there).
+
+Percentiles interpolate linearly between order statistics (numpy's default), as vLLM's do.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+PERCENTILES = (90, 99)  # besides the median
+SLO_METRICS = ("ttft", "tpot", "e2el")
+
+
+@dataclass
+class RequestRecord:
+    """One request as its client saw it. Times are seconds on one monotonic clock."""
+
+    prompt_len: int
+    output_len: int  # tokens requested
+    sent: float = 0.0
+    chunk_times: list[float] = field(default_factory=list)  # each chunk that carried text
+    done: float | None = None  # when its stream ended; None if it failed
+    output_tokens: int = 0  # tokens received (the server's usage, or chunks counted)
+    text: str = ""  # the streamed text, joined
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.done is not None and bool(self.chunk_times)
+
+    @property
+    def ttft(self) -> float:
+        return self.chunk_times[0] - self.sent
+
+    @property
+    def e2el(self) -> float:
+        return self.done - self.sent
+
+    @property
+    def itl(self) -> list[float]:
+        return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:])]
+
+    @property
+    def tpot(self) -> float | None:
+        """None for a one-token request (it has no time per token after the first)."""
+        if self.output_tokens < 2:
+            return None
+        return (self.e2el - self.ttft) / (self.output_tokens - 1)
+
+
+def parse_goodput(items: list[str] | None) -> dict[str, float]:
+    """``["ttft:500", "tpot:100"]`` (vLLM's ``--goodput`` shape, milliseconds) as seconds
+    by metric."""
+    slo: dict[str, float] = {}
+    for item in items or ():
+        name, sep, value = item.partition(":")
+        if not sep or name not in SLO_METRICS:
+            raise ValueError(f"--goodput {item!r}: expected METRIC:MS with METRIC one of "
+                             f"{', '.join(SLO_METRICS)}")
+        try:
+            ms = float(value)
+        except ValueError:
+            ms = math.nan
+        if not ms > 0 or not math.isfinite(ms):
+            raise ValueError(f"--goodput {item!r}: the SLO must be a positive number of ms")
+        slo[name] = ms / 1000
+    return slo
+
+
+def distribution_ms(values: list[float], percentiles=PERCENTILES) -> dict[str, float]:
+    """Mean, median and the given percentiles of ``values`` (seconds), in milliseconds; NaN
+    for an empty list."""
+    if not values:
+        return {"mean": math.nan, "median": math.nan,
+                **{f"p{p}": math.nan for p in percentiles}}
+    ms = np.asarray(values, dtype=float) * 1000
+    return {"mean": float(ms.mean()), "median": float(np.median(ms)),
+            **{f"p{p}": float(np.percentile(ms, p)) for p in percentiles}}
+
+
+def meets(record: RequestRecord, slo: dict[str, float]) -> bool:
+    """Whether a completed request met every SLO in ``slo`` (seconds by metric)."""
+    seen = {"ttft": record.ttft, "tpot": record.tpot or 0.0, "e2el": record.e2el}
+    return all(seen[name] <= limit for name, limit in slo.items())
+
+
+def summarize(records: list[RequestRecord], duration: float, slo: dict[str, float] | None = None,
+              percentiles=PERCENTILES) -> dict:
+    """The benchmark's numbers over ``records``, ``duration`` seconds from first send to last
+    completion. Failed requests count in ``failed`` and in nothing else."""
+    if not duration > 0:
+        raise ValueError(f"duration={duration!r} must be positive")
+    done = [r for r in records if r.ok]
+    total_input = sum(r.prompt_len for r in done)
+    total_output = sum(r.output_tokens for r in done)
+    good = sum(meets(r, slo) for r in done) if slo else None
+    return {
+        "completed": len(done),
+        "failed": len(records) - len(done),
+        "duration_s": duration,
+        "total_input_tokens": total_input,
+        "total_output_tokens": total_output,
+        "request_throughput": len(done) / duration,
+        "output_throughput": total_output / duration,
+        "total_token_throughput": (total_input + total_output) / duration,
+        "request_goodput": None if good is None else good / duration,
+        "ttft_ms": distribution_ms([r.ttft for r in done], percentiles),
+        "tpot_ms": distribution_ms([r.tpot for r in done if r.tpot is not None], percentiles),
+        "itl_ms": distribution_ms([gap for r in done for gap in r.itl], percentiles),
+        "e2el_ms": distribution_ms([r.e2el for r in done], percentiles),
+    }
+
+
+def arrival_offsets(n: int, rate: float, burstiness: float = 1.0,
+                    rng: np.random.Generator | None = None) -> np.ndarray:
+    """When to send each of ``n`` requests, in seconds from the first (which goes at 0).
+
+    Gaps are gamma-distributed with mean ``1/rate`` and shape ``burstiness``: 1 is a Poisson
+    process, below 1 burstier, above 1 more even (vLLM's ``--burstiness``). An infinite rate
+    sends everything at once.
+    """
+    if not rate > 0:
+        raise ValueError(f"request rate {rate!r} must be positive (inf: all at once)")
+    if not burstiness > 0:
+        raise ValueError(f"burstiness {burstiness!r} must be positive")
+    if math.isinf(rate):
+        return np.zeros(n)
+    rng = rng or np.random.default_rng(0)
+    gaps = rng.gamma(shape=burstiness, scale=1 / (rate * burstiness), size=max(n - 1, 0))
+    return np.concatenate([[0.0], np.cumsum(gaps)])[:n]

@@ -1,0 +1,90 @@
+"""The serving benchmark's arithmetic (vLLM's definitions) on timestamps worked out by hand,
+and the arrival process it draws; no server involved."""
+
+import math
+
+import numpy as np
+import pytest
+
+from pagedlab.serving_metrics import (RequestRecord, arrival_offsets, distribution_ms,
+                                      parse_goodput, summarize)
+
+
+def records():
+    """Three requests that completed and one that failed; times in seconds."""
+    return [
+        # TTFT 0.5, E2E 1.7, gaps 0.2 0.3 0.6, TPOT (1.7 - 0.5) / 3 = 0.4
+        RequestRecord(8, 4, sent=10.0, chunk_times=[10.5, 10.7, 11.0, 11.6], done=11.7,
+                      output_tokens=4),
+        # TTFT 0.2, E2E 0.3, gap 0.1, TPOT 0.1
+        RequestRecord(4, 2, sent=11.0, chunk_times=[11.2, 11.3], done=11.3, output_tokens=2),
+        # one token: TTFT = E2E = 1.0, no gap, no TPOT
+        RequestRecord(2, 1, sent=12.0, chunk_times=[13.0], done=13.0, output_tokens=1),
+        RequestRecord(100, 9, sent=12.5, error="APIConnectionError: refused"),
+    ]
+
+
+def test_per_request_latencies():
+    a, b, c, failed = records()
+    assert (a.ttft, a.e2el, a.tpot) == pytest.approx((0.5, 1.7, 0.4))
+    assert a.itl == pytest.approx([0.2, 0.3, 0.6])
+    assert (b.ttft, b.e2el, b.tpot) == pytest.approx((0.2, 0.3, 0.1))
+    assert c.tpot is None and c.itl == [] and c.ttft == pytest.approx(1.0)
+    assert not failed.ok and a.ok
+
+
+def test_summary_matches_hand_computed_throughput_and_percentiles():
+    s = summarize(records(), duration=4.0)
+    assert (s["completed"], s["failed"]) == (3, 1)
+    assert (s["total_input_tokens"], s["total_output_tokens"]) == (14, 7)  # failed: not counted
+    assert s["request_throughput"] == pytest.approx(0.75)
+    assert s["output_throughput"] == pytest.approx(1.75)
+    assert s["total_token_throughput"] == pytest.approx(21 / 4)
+    assert s["request_goodput"] is None
+    # TTFT 200, 500, 1000 ms: p90 lies 0.8 of the way from 500 to 1000, p99 0.98 of it
+    assert s["ttft_ms"] == pytest.approx(
+        {"mean": 1700 / 3, "median": 500, "p90": 900, "p99": 990})
+    # TPOT over the two requests of 2+ tokens: 100, 400 ms
+    assert s["tpot_ms"] == pytest.approx({"mean": 250, "median": 250, "p90": 370, "p99": 397})
+    # ITL pooled over requests: 100, 200, 300, 600 ms; p90 at rank 2.7, p99 at rank 2.97
+    assert s["itl_ms"] == pytest.approx({"mean": 300, "median": 250, "p90": 510, "p99": 591})
+    assert s["e2el_ms"] == pytest.approx(
+        {"mean": 1000, "median": 1000, "p90": 1560, "p99": 1686})
+
+
+@pytest.mark.parametrize("slo, good", [
+    (["ttft:600", "tpot:300"], 1),   # a: TPOT 400 too slow; c: TTFT 1000 too slow
+    (["ttft:1000"], 3),              # the bound is inclusive
+    (["tpot:50"], 1),                # only c, whose one token counts as TPOT 0
+    (["e2el:1000", "ttft:999"], 1),  # only b
+])
+def test_goodput_counts_requests_that_meet_every_slo(slo, good):
+    s = summarize(records(), duration=4.0, slo=parse_goodput(slo))
+    assert s["request_goodput"] == pytest.approx(good / 4.0)
+
+
+@pytest.mark.parametrize("item", ["ttft", "latency:100", "ttft:-5", "tpot:abc", "e2el:inf"])
+def test_bad_goodput_is_refused_by_name(item):
+    with pytest.raises(ValueError, match="--goodput"):
+        parse_goodput([item])
+
+
+def test_empty_distributions_and_bad_duration():
+    assert all(math.isnan(v) for v in distribution_ms([]).values())
+    with pytest.raises(ValueError, match="duration"):
+        summarize(records(), duration=0.0)
+
+
+def test_arrivals_have_the_rate_and_the_burstiness_asked_for():
+    assert arrival_offsets(5, math.inf).tolist() == [0.0] * 5
+    n = 40_000
+    for shape in (0.25, 1.0, 4.0):  # gamma gaps: mean 1/rate, variation coefficient 1/√shape
+        offsets = arrival_offsets(n, 2.0, shape, np.random.default_rng(1))
+        gaps = np.diff(offsets)
+        assert offsets[0] == 0.0 and (gaps >= 0).all() and len(offsets) == n
+        assert gaps.mean() == pytest.approx(0.5, rel=0.03)
+        assert gaps.std() / gaps.mean() == pytest.approx(1 / math.sqrt(shape), rel=0.05)
+    with pytest.raises(ValueError, match="rate"):
+        arrival_offsets(3, 0.0)
+    with pytest.raises(ValueError, match="burstiness"):
+        arrival_offsets(3, 1.0, burstiness=0)
