@@ -129,8 +129,8 @@ async def one_request(client, model: str, prompt: str, record: RequestRecord, fo
                     record.chunk_times.append(now)
                     record.text += chunk.choices[0].text
         record.done = time.perf_counter()
-        # The server's count when it reports usage; else one token per chunk, as pagedlab
-        # and vLLM stream (a held-back partial character comes as an empty chunk).
+        # The server's count when it reports usage (pagedlab, vLLM); else one token per chunk
+        # (a held-back partial character comes as an empty chunk).
         record.output_tokens = usage if usage is not None else chunks
     except (openai.APIError, httpx.HTTPError) as failure:
         record.error = f"{type(failure).__name__}: {failure}"

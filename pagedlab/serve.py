@@ -106,6 +106,9 @@ def build_app(llm: LLM, model_name: str):
                 if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
                     prompt = {"prompt_token_ids": prompt}
             params = sampling_params(body, {"temperature": 1.0, "max_tokens": 16})
+            options = body.get("stream_options") or {}
+            if not isinstance(options, dict):
+                raise BadRequest("'stream_options' must be an object", "stream_options")
             if params.n > llm.config.max_num_seqs:
                 raise BadRequest(f"n={params.n} is over max_num_seqs="
                                  f"{llm.config.max_num_seqs}", "n")
@@ -159,6 +162,10 @@ def build_app(llm: LLM, model_name: str):
                 async for out in timed():
                     chunk = {**head, "object": f"{kind}.chunk" if chat else kind,
                              "choices": choices(out, True)}
+                    yield f"data: {json.dumps(chunk)}\n\n"
+                if options.get("include_usage"):  # OpenAI's last chunk: no choices, the usage
+                    chunk = {**head, "object": f"{kind}.chunk" if chat else kind,
+                             "choices": [], "usage": usage(out)}
                     yield f"data: {json.dumps(chunk)}\n\n"
                 yield "data: [DONE]\n\n"
             finally:  # also when the client went away: abort the request, free its blocks

@@ -83,6 +83,19 @@ def test_completions_whole_and_streamed_match_the_engine(server):
     assert idle(llm) == 0
 
 
+def test_a_stream_can_end_with_its_usage(server):
+    """stream_options.include_usage: a last chunk with no choices and the token counts (what a
+    load generator counts tokens by, since one chunk may carry several: speculative decoding)."""
+    url, llm, _ = server
+    chunks = list(client(url).completions.create(
+        model=NAME, prompt="count my tokens", stream=True,
+        stream_options={"include_usage": True}, **GREEDY))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens == len(llm.tokenizer.encode("count my tokens"))
+    assert all(c.usage is None for c in chunks[:-1])
+    assert idle(llm) == 0
+
+
 def test_chat_whole_and_streamed_match_the_engine(server):
     url, llm, reference = server
     messages = [{"role": "user", "content": "Name three primary colors."}]
