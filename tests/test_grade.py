@@ -81,7 +81,7 @@ def test_grader_fails_every_broken_solution_passes_variants_and_refuses_cheats(n
     if name in FORBIDDEN:
         task, old, new = FORBIDDEN[name]
         add("delegating to the library", edited(name, [(old, new)]), [task],
-            lambda r, task=task: r.task(task).library_use and not r.task(task).ok)
+            lambda r, task=task: (r.task(task).library_use or r.task(task).refused) and not r.task(task).ok)
     add("check cells replaced by prints", cheat_printed_outputs(name), None,
         lambda r: any("was edited or deleted" in x for x in r.refused))
     add("NBVAL_SKIP in the check cells", cheat_nbval_skip(name), None,

@@ -21,6 +21,18 @@ def outcome(call):
         return "error", type(e).__name__
 
 
+def plain(value):
+    """``value`` as plain data (numbers, strings, lists, tuples, dicts of them), so that a
+    comparison runs the interpreter's ``==``, never a method of the student's classes."""
+    if value is None or type(value) in (bool, int, float, str):
+        return value
+    if type(value) in (list, tuple):
+        return type(value)(plain(v) for v in value)
+    if type(value) is dict:
+        return {plain(k): plain(v) for k, v in value.items()}
+    raise TypeError(f"expected plain data (numbers, strings, lists, tuples, dicts), got a {type(value).__name__}")
+
+
 class Diverged(AssertionError):
     """The student's code and the reference disagreed; the message names the operation."""
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import nbformat
 
 from pagedlab.assignments import BEGIN, task_id
+from pagedlab.grade.rules import bound_names
 
 SOLUTIONS = Path(__file__).resolve().parents[2] / "notebooks" / "solutions"
 CHECK = re.compile(r"^# Check (?P<task>A\d+(?:\.\d+[a-z]?)?)\b")
@@ -58,6 +59,19 @@ class Assignment:
                 if task and task not in seen:
                     seen.append(task)
         return sorted(seen, key=lambda t: (t == self.name, seen.index(t)))
+
+    @property
+    def protected(self) -> dict[str, str | None]:
+        """Names the setup and check cells bind and no reference solution cell rebinds (the
+        checks' helpers, the library's classes): a submission may not rebind them."""
+        setup, solution = {}, set()
+        for cell in self.cells:
+            names = bound_names(cell.source)
+            if cell.kind != "solution":
+                setup.update(names)
+            elif cell.kind == "solution":
+                solution |= set(names)
+        return {name: what for name, what in setup.items() if name not in solution}
 
     def clean(self, text: str) -> str:
         """Output as compared: sanitized (addresses, timings), trailing spaces dropped."""

@@ -1,0 +1,70 @@
+"""The grader's trust boundary (issue 25): the cheats of tests/grade_cheats.py get the grade
+their code deserves, in a batch with an honest neighbour that is graded as when alone, and the
+package, the references and an instructor's checks are byte-identical after grading them."""
+
+import hashlib
+from pathlib import Path
+
+import nbformat
+import pytest
+
+import grade_cheats as cheats
+from pagedlab.grade import HIDDEN, grade_many
+from pagedlab.grade.notebook import SOLUTIONS
+
+PACKAGE = HIDDEN.parents[1]
+SECRET = "a private check of the instructor, never shown to a student"
+
+
+def digest(*dirs: Path) -> dict[str, str]:
+    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest()
+            for d in dirs for p in sorted(d.rglob("*")) if p.is_file() and "__pycache__" not in p.parts}
+
+
+def nothing_earned(report) -> bool:
+    """0 for every task, counted against every check of the assignment (never '0/0')."""
+    return (not report.passed and report.tasks and all(not t.ok for t in report.tasks)
+            and sum(t.passed + t.hidden_passed for t in report.tasks) == 0
+            and sum(t.checks for t in report.tasks) >= 15)
+
+
+def flagged(report, task) -> bool:
+    t = report.task(task)
+    return not t.ok and bool(t.library_use or t.refused)
+
+
+@pytest.mark.slow
+def test_cheats_get_what_their_code_deserves_and_touch_nothing(tmp_path):
+    solution = nbformat.read(next(SOLUTIONS.glob("A2_*.ipynb")), as_version=4)
+    instructor = tmp_path / "instructor"
+    instructor.mkdir()
+    (instructor / "A2_private.py").write_text(
+        "from pagedlab.grade import task\n\n\n"
+        "@task('A2.1')\n"
+        "def check_private(nb):\n"
+        f"    '{SECRET}'\n"
+        "    assert nb.Allocator(3).num_free == 3\n"
+    )
+    cases = {  # label: (notebook, what its report must satisfy)
+        "runner replaced": (cheats.cheat(solution, {"A2.1": cheats.RUNNER}), nothing_earned),
+        "no results": (cheats.cheat(solution, {"A2.1": cheats.EMPTY}), nothing_earned),
+        "kills its parent": (cheats.cheat(solution, {"A2.1": cheats.KILL_PARENT}), nothing_earned),
+        "tampers with files": (cheats.cheat(solution, {"A2.1": cheats.TAMPER}),
+                               lambda r: nothing_earned(r) and SECRET not in r.text() and SECRET not in str(r.as_dict())),
+        "runs the reference": (cheats.cheat(solution, {"*": cheats.REFERENCE}), nothing_earned),
+        "unwrapped library": (cheats.cheat(solution, {"A2.1": cheats.WRAPPED}), lambda r: flagged(r, "A2.1")),
+        "compiled as setup": (cheats.cheat(solution, {"A2.1": cheats.SETUP_NAME}), lambda r: flagged(r, "A2.1")),
+        "attribution off": (cheats.cheat(solution, {"A2.1": cheats.UNATTRIBUTED}), lambda r: flagged(r, "A2.1")),
+        "honest neighbour": (solution, lambda r: r.passed),
+    }
+    paths = []
+    for i, (label, (nb, _)) in enumerate(cases.items()):
+        paths.append(tmp_path / f"A2_{i}.ipynb")
+        nbformat.write(nb, paths[-1])
+    before = digest(PACKAGE, SOLUTIONS, instructor)
+    reports = grade_many(paths, extra_checks=[instructor])
+    after = digest(PACKAGE, SOLUTIONS, instructor)
+    changed = [p for p in before if before[p] != after.get(p)]
+    assert not changed, f"grading changed {changed}"
+    wrong = [f"{label}:\n{r.text()}" for (label, (_, must)), r in zip(cases.items(), reports) if not must(r)]
+    assert not wrong, "\n\n".join(wrong)
