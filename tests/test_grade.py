@@ -187,6 +187,7 @@ def test_command_line_grades_a_buggy_notebook_with_extra_checks_and_writes_json(
     assert lines[-1] == "A2 (A2_block_allocator_mine.ipynb): 0/2 tasks passed; 5/8 checks, 1/3 hidden checks"
     assert "A2.1: 1/4 checks, hidden 0/1  [FAIL]" in lines
     assert "blocks_needed(5) is not 99" in done.stdout
+    assert str(extra) not in done.stdout  # an instructor's file is named, never its path
     data = json.loads(report.read_text())[0]
     assert data["passed"] is False and [t["task"] for t in data["tasks"]] == ["A2.1", "A2.2"]
     first = data["tasks"][0]["failures"][0]

@@ -66,3 +66,11 @@ def test_what_a_solution_may_do_is_not_refused():
 def test_a_refusal_names_the_line_and_the_rule():
     (breach,) = breaches("x = 1\n\nimport gc\n")
     assert breach.text() == f"line 3: imports gc ({rules.RULE_IMPORT})"
+
+
+def test_the_checks_tolerance_cannot_be_rebound():
+    """Finding 6: A4's checks compared with a TOL the student's cell defined (inf passed a
+    kernel that computes nothing); it is the setup's now, and rebinding it is refused."""
+    a4 = load(next(SOLUTIONS.glob("A4_*.ipynb")))
+    assert rules.Breach(1, "rebinds `TOL`", rules.RULE_NAME) in rules.check(
+        "TOL = float('inf')\n", forbid=a4.forbid, protected=a4.protected)

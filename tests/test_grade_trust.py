@@ -2,7 +2,11 @@
 their code deserves, in a batch with an honest neighbour that is graded as when alone, and the
 package, the references and an instructor's checks are byte-identical after grading them."""
 
+import csv
 import hashlib
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import nbformat
@@ -68,3 +72,29 @@ def test_cheats_get_what_their_code_deserves_and_touch_nothing(tmp_path):
     assert not changed, f"grading changed {changed}"
     wrong = [f"{label}:\n{r.text()}" for (label, (_, must)), r in zip(cases.items(), reports) if not must(r)]
     assert not wrong, "\n\n".join(wrong)
+
+
+@pytest.mark.slow
+def test_a_batch_grades_every_readable_file_and_gives_the_others_a_row(tmp_path):
+    """Finding 7: a truncated file, metadata naming an unknown assignment, and an A1 notebook
+    saved under A2's name each get a row of their own; the readable neighbour is graded."""
+    a1 = next(SOLUTIONS.glob("A1_*.ipynb"))
+    batch = tmp_path / "batch"
+    batch.mkdir()
+    (batch / "A1_good.ipynb").write_bytes(a1.read_bytes())
+    (batch / "A1_truncated.ipynb").write_bytes(a1.read_bytes()[:5000])
+    unknown = nbformat.read(a1, as_version=4)
+    unknown.metadata["pagedlab"]["assignment"] = "A9"
+    nbformat.write(unknown, batch / "A1_unknown.ipynb")
+    (batch / "A2_actually_A1.ipynb").write_bytes(a1.read_bytes())
+    gradebook, report = tmp_path / "grades.csv", tmp_path / "grades.json"
+    done = subprocess.run([sys.executable, "-m", "pagedlab.grade", str(batch), "--task", "A1.1", "--csv", str(gradebook),
+                           "--json", str(report)], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 1, done.stdout + done.stderr
+    rows = {row["notebook"]: row for row in csv.DictReader(gradebook.open())}
+    assert sorted(rows) == ["A1_good.ipynb", "A1_truncated.ipynb", "A1_unknown.ipynb", "A2_actually_A1.ipynb"]
+    assert rows["A1_good.ipynb"]["status"] == "passed" and rows["A1_good.ipynb"]["checks passed"] != "0"
+    assert rows["A1_truncated.ipynb"]["status"] == "refused" and "unreadable" in rows["A1_truncated.ipynb"]["why"]
+    assert "the notebook is A9's" in rows["A1_unknown.ipynb"]["why"]
+    assert "the file name says A2 but the notebook is A1's" in rows["A2_actually_A1.ipynb"]["why"]
+    assert len(json.loads(report.read_text())) == 4

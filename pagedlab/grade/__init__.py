@@ -34,7 +34,7 @@ from pathlib import Path
 import nbformat
 
 from pagedlab.grade import rules, sandbox
-from pagedlab.grade.notebook import SOLUTIONS, Assignment, assemble, load, reference_for
+from pagedlab.grade.notebook import ASSIGNMENT, SOLUTIONS, Assignment, assemble, load, reference_for
 from pagedlab.grade.report import Report, score
 
 HIDDEN = sandbox.HIDDEN
@@ -69,12 +69,19 @@ def grade_many(
     checks = hidden_sources([HIDDEN, *extra_checks])
     for item in notebooks:
         path, only = (Path(item[0]), item[1]) if isinstance(item, tuple) else (Path(item), tasks)
-        assignment = load(reference_for(path, solutions))
+        try:
+            nb = nbformat.read(path, as_version=4)
+            assignment = load(reference_for(path, nb, solutions))
+            submission = assemble(assignment, nb)
+        except Exception as err:  # noqa: BLE001 - one unreadable file is one row, never the batch's end
+            match = ASSIGNMENT.match(path.name)
+            why = str(err) if isinstance(err, ValueError) and path.name in str(err) else f"{type(err).__name__}: {err}"
+            plans.append((Report(path.name, match[1] if match else "?", refused=[f"unreadable: {why}"]),))
+            continue
         unknown = sorted(set(only or ()) - set(assignment.tasks))
         if unknown:
             raise ValueError(f"{path.name}: {assignment.name} has no task {', '.join(unknown)}; "
                              f"its tasks are {', '.join(assignment.tasks)}")
-        submission = assemble(assignment, nbformat.read(path, as_version=4))
         cells, breaches = _checked(assignment, _selected(assignment, submission.cells, only))
         hidden = [h for h in checks if _for(h["file"], assignment.name)]
         expected = [(h["label"], name, task) for h in hidden for name, task in h["checks"]
@@ -98,7 +105,11 @@ def grade_many(
         raise RuntimeError(f"a submission changed the grader's files ({', '.join(changed)}): "
                            f"restore them; no grade of this batch can be trusted")
     reports = []
-    for assignment, submission, cells, name, only, breaches, expected in plans:
+    for plan in plans:
+        if len(plan) == 1:  # unreadable
+            reports.append(plan[0])
+            continue
+        assignment, submission, cells, name, only, breaches, expected = plan
         if submission.refusals:
             report = Report(name, assignment.name, refused=submission.refusals, notes=submission.notes)
         else:

@@ -114,17 +114,21 @@ def load(path: Path) -> Assignment:
     return assignment
 
 
-def reference_for(notebook: Path, solutions: Path = SOLUTIONS) -> Path:
-    """The solution notebook of the assignment a submission belongs to (by its metadata or name)."""
-    nb = nbformat.read(notebook, as_version=4)
-    name = nb.metadata.get("pagedlab", {}).get("assignment")
+def reference_for(notebook: Path, nb: nbformat.NotebookNode, solutions: Path = SOLUTIONS) -> Path:
+    """The solution notebook of the assignment a submission's file name names (``A2_mine.ipynb``);
+    ValueError if the name names none, names one with no reference, or its metadata names another."""
     match = ASSIGNMENT.match(notebook.name)
-    name = name or (match[1] if match else None)
-    if name is None:
-        raise ValueError(f"{notebook}: cannot tell which assignment this is (name it A<n>_...ipynb)")
-    found = sorted(solutions.glob(f"{name}_*.ipynb"))
+    if match is None:
+        raise ValueError(f"{notebook.name}: cannot tell which assignment this is (name it A<n>_...ipynb)")
+    name = match[1]
+    claimed = nb.metadata.get("pagedlab", {}).get("assignment") if isinstance(nb.metadata, dict) else None
+    if claimed and claimed != name:
+        raise ValueError(f"{notebook.name}: the file name says {name} but the notebook is {claimed}'s "
+                         f"(its metadata): grade it under a name that starts with {claimed}_")
+    found = sorted(Path(solutions).glob(f"{name}_*.ipynb"))
     if not found:
-        raise ValueError(f"{notebook}: no reference for assignment {name} in {solutions}")
+        raise ValueError(f"{notebook.name}: no reference for assignment {name} in {solutions} "
+                         f"(pass the directory of the solution notebooks with --solutions)")
     return found[0]
 
 
