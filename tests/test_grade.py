@@ -200,3 +200,33 @@ def test_a_broken_check_file_fails_the_grade(tmp_path):
     report = grade_many([(solution_path("A1"), ["A1.1"])], extra_checks=[tmp_path])[0]
     assert not report.passed
     assert "loading" in report.task("A1").failures[0] and "SyntaxError" in report.task("A1").failures[0]
+
+
+def test_a_duplicated_solution_cell_is_refused_naming_both_cells():
+    """Finding 9: a cell copied in Jupyter keeps its metadata; the grader took the untouched
+    copy and only noted that a cell was not run."""
+    nb = make_student(nbformat.read(solution_path("A2"), as_version=4))
+    index = next(i for i, c in enumerate(nb.cells) if c.metadata.get("pagedlab", {}).get("solution") == "A2.1")
+    copy = nbformat.from_dict(json.loads(json.dumps(nb.cells[index])))
+    copy.source = copy.source.replace("raise NotImplementedError('A2.1: free-list allocator')", "return []")
+    nb.cells.insert(index + 1, copy)
+    refusals = assemble(load(solution_path("A2")), nb).refusals
+    assert refusals == [f"cells {index + 1}, {index + 2} are all the A2.1 solution cell (a copied cell keeps its "
+                        "metadata): delete all but the one you want graded"]
+
+
+def test_a_failing_property_shows_the_falsifying_example_without_hypothesis_commentary():
+    from hypothesis import given
+    from hypothesis import strategies as st
+
+    from pagedlab.grade.checks import GRADING
+
+    @GRADING
+    @given(st.lists(st.integers(0, 9)), st.integers(0, 9))
+    def check(xs, y):
+        assert y != 3
+
+    with pytest.raises(AssertionError) as failed:
+        check()
+    notes = "\n".join(getattr(failed.value, "__notes__", []))
+    assert "y=3" in notes and "any other generated value" not in notes and "varied together" not in notes

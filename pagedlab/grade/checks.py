@@ -3,12 +3,15 @@ that names the first operation where the student's code and the reference part w
 
 from __future__ import annotations
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 
 # Deterministic (the same examples for every student), no example database, no deadline
-# (the Triton interpreter and a loaded CI machine are slow), few examples (seconds, not minutes).
+# (the Triton interpreter and a loaded CI machine are slow), few examples (seconds, not minutes),
+# and no "explain" phase: its comments on which parts of the example varied are noise to a
+# student, who needs the falsifying example alone.
 GRADING = settings(max_examples=30, deadline=None, derandomize=True, database=None,
-                   suppress_health_check=list(HealthCheck), print_blob=False)
+                   suppress_health_check=list(HealthCheck), print_blob=False,
+                   phases=[p for p in Phase if p is not Phase.explain])
 
 
 def outcome(call):

@@ -151,6 +151,13 @@ def assemble(assignment: Assignment, nb: nbformat.NotebookNode) -> Submission:
     refusals, used, cells = [], set(), []
     for ref in assignment.cells:
         if ref.kind == "solution":
+            twins = [c for c in code if c.metadata.get("pagedlab", {}).get("solution") == ref.task]
+            if len(twins) > 1:
+                where = [next(i for i, c in enumerate(nb.cells, start=1) if c is t) for t in twins]
+                refusals.append(
+                    f"cells {', '.join(map(str, where))} are all the {ref.task} solution cell (a copied cell "
+                    f"keeps its metadata): delete all but the one you want graded")
+                continue
             mine = _solution_cell(ref, code)
             if mine is None:
                 refusals.append(
