@@ -230,3 +230,19 @@ def test_a_failing_property_shows_the_falsifying_example_without_hypothesis_comm
         check()
     notes = "\n".join(getattr(failed.value, "__notes__", []))
     assert "y=3" in notes and "any other generated value" not in notes and "varied together" not in notes
+
+
+def test_a_knock_on_failure_names_the_task_that_failed_first():
+    """Finding 9: A2.4's check failed inside its own code when A2.3's fork was broken."""
+    from pagedlab.grade.report import score
+
+    assignment = load(solution_path("A2"))
+    results = []
+    for cell in assignment.cells:
+        broken = cell.kind == "check" and cell.task in ("A2.3", "A2.4")
+        error = {"type": "IndexError", "message": "list index out of range", "where": ""} if broken else None
+        results.append({"index": cell.index, "stdout": "" if broken else cell.expected or "", "student_stdout": "",
+                        "error": error})
+    report = score(assignment, assignment.cells, {"cells": results, "hidden": [], "violations": []}, "A2_x.ipynb")
+    assert "(because A2.3 failed: this check uses its SharedBlockTable)" in report.task("A2.4").failures[0]
+    assert "because" not in report.task("A2.3").failures[0]

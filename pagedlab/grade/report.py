@@ -3,10 +3,12 @@ labelled, the library uses found; a summary line and a JSON-ready dict for an in
 
 from __future__ import annotations
 
+import ast
 import re
 from dataclasses import asdict, dataclass, field
 
 from pagedlab.grade.notebook import Assignment, Cell
+from pagedlab.grade.rules import bound_names
 
 CELL_FILE = re.compile(r"<cell (\d+)(?:: ([^>]+))?> line (\d+)")
 
@@ -142,6 +144,7 @@ def score(assignment: Assignment, cells: list[Cell], result: dict, notebook: str
                 s.passed += 1
             else:
                 what = _error_text(error, by_index) if error else _diff(cell.expected, actual)
+                what += _because(assignment, cell, scores)
                 _first(s, f"first failing check: '{cell.title}' (cell {cell.index})\n      {what}")
         elif cell.kind == "setup" and (error or (cell.expected is not None and actual != cell.expected)):
             what = _error_text(error, by_index) if error else _diff(cell.expected or "", actual)
@@ -173,6 +176,20 @@ def score(assignment: Assignment, cells: list[Cell], result: dict, notebook: str
         scores.setdefault(task, TaskScore(task)).refused += breaches
     report.tasks = list(scores.values())
     return report
+
+
+def _because(assignment: Assignment, check: Cell, scores: dict[str, TaskScore]) -> str:
+    """' (because A2.3 failed: this check uses its SharedBlockTable)' when the check cell uses a
+    name that the solution cell of an earlier task, failing so far, defines."""
+    used = {n.id for n in ast.walk(ast.parse(check.source)) if isinstance(n, ast.Name)}
+    for cell in assignment.cells:
+        tasks = [t for t in cell.task.split("/") if t != check.task]
+        failed = [t for t in tasks if t in scores and scores[t].passed < scores[t].checks]
+        if cell.kind == "solution" and failed:
+            names = sorted(used & set(bound_names(cell.source)))
+            if names:
+                return f"\n      (because {failed[0]} failed: this check uses its {', '.join(names)})"
+    return ""
 
 
 def _list(result, key: str) -> list:
