@@ -77,7 +77,8 @@ def test_grader_fails_every_broken_solution_passes_variants_and_refuses_cheats(n
         add(f"correct variant '{label}'", edited(name, edits), None, lambda r: r.passed)
     for label, (task, old, new) in BROKEN[name].items():
         add(f"broken '{label}'", edited(name, [(old, new)]), [task],
-            lambda r, task=task: not r.refused and not r.task(task).ok and not r.task(task).library_use)
+            lambda r, task=task: not r.refused and not r.task(task).ok and not r.task(task).library_use
+            and not r.task(task).refused)
     if name in FORBIDDEN:
         task, old, new = FORBIDDEN[name]
         add("delegating to the library", edited(name, [(old, new)]), [task],

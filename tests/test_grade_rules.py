@@ -64,7 +64,7 @@ def test_what_a_solution_may_do_is_not_refused():
 
 
 def test_a_refusal_names_the_line_and_the_rule():
-    (breach,) = breaches("x = 1\n\nimport gc\n")
+    (breach,) = breaches("my_scratch = 1\n\nimport gc\n")
     assert breach.text() == f"line 3: imports gc ({rules.RULE_IMPORT})"
 
 
@@ -74,3 +74,15 @@ def test_the_checks_tolerance_cannot_be_rebound():
     a4 = load(next(SOLUTIONS.glob("A4_*.ipynb")))
     assert rules.Breach(1, "rebinds `TOL`", rules.RULE_NAME) in rules.check(
         "TOL = float('inf')\n", forbid=a4.forbid, protected=a4.protected)
+
+
+@pytest.mark.parametrize("source, line, what, rule", [
+    ("class Blocks(list):\n    def __eq__(self, other):\n        return True\n", 2, "defines __eq__", rules.RULE_SPECIAL),
+    ("class T:\n    def __repr__(self):\n        return '[0, 1] free: 0'\n", 2, "defines __repr__", rules.RULE_SPECIAL),
+    ("Any = type('Any', (), {'__eq__': lambda s, o: True})\n", 1, "the string '__eq__'", rules.RULE_INTROSPECT),
+    ("class T:\n    __eq__ = lambda s, o: True\n", 2, "`__eq__`", rules.RULE_INTROSPECT),
+])
+def test_results_that_fool_a_comparison_are_refused(source, line, what, rule):
+    """A check cell prints `mine == expected` or a result's repr: an object that always
+    compares equal, or prints what the check expects, must not get that far."""
+    assert rules.Breach(line, what, rule) in breaches(source), [b.text() for b in breaches(source)]

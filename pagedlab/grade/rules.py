@@ -32,7 +32,10 @@ ALLOWED_DUNDERS = {"__init__"}
 RULE_IMPORT = "imports only " + ", ".join(IMPORTS)
 RULE_INTROSPECT = "no introspection of frames, globals or the grader, no exec, eval, compile or open"
 RULE_MODULE = "no assignment to attributes of imported modules"
-RULE_NAME = "no rebinding of builtins or of names the setup cells define"
+RULE_NAME = "no rebinding of builtins or of names the setup and check cells define"
+RULE_SPECIAL = ("no special methods but __init__ and __post_init__: the checks compare, print, count and "
+                "convert your results with Python's own")
+SPECIAL_ALLOWED = {"__init__", "__post_init__"}
 RULE_FORBIDDEN = "the assignment forbids this library"
 
 
@@ -96,9 +99,13 @@ def check(source: str, *, forbid=(), protected=frozenset(), modules=frozenset())
             if node.id in INTROSPECTION or node.id.startswith("__"):
                 found.append(Breach(line, f"`{node.id}`", RULE_INTROSPECT))
         elif isinstance(node, ast.Attribute):
-            dunder = node.attr.startswith("__") and node.attr.endswith("__") and node.attr not in ALLOWED_DUNDERS
-            if dunder or node.attr in ESCAPES:
+            if _dunder(node.attr) and node.attr not in ALLOWED_DUNDERS or node.attr in ESCAPES:
                 found.append(Breach(line, f"`.{node.attr}`", RULE_INTROSPECT))
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _dunder(node.name):
+            if node.name not in SPECIAL_ALLOWED:
+                found.append(Breach(line, f"defines {node.name}", RULE_SPECIAL))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and _dunder(node.value.strip()):
+            found.append(Breach(line, f"the string {node.value!r}", RULE_INTROSPECT))
         elif isinstance(node, (ast.Global, ast.Nonlocal)):
             for name in set(node.names) & set(protected):
                 found.append(Breach(line, f"`global {name}`", RULE_NAME))
@@ -106,6 +113,10 @@ def check(source: str, *, forbid=(), protected=frozenset(), modules=frozenset())
     found += [Breach(line, f"rebinds `{name}`", RULE_NAME) for name, what, line in _bindings(tree)
               if name in protected and (what is None or protected[name] != what)]
     return sorted(set(found), key=lambda b: (b.line, b.what))
+
+
+def _dunder(name: str) -> bool:
+    return len(name) > 4 and name.startswith("__") and name.endswith("__")
 
 
 def _imported(node) -> list[str]:
