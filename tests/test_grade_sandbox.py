@@ -88,3 +88,32 @@ def test_a_cell_that_gets_past_the_rules_and_writes_a_reference(level, tmp_path,
     else:
         with pytest.raises(RuntimeError, match="changed the grader's files"):
             grade_many([(tmp_path / "A1_tamper.ipynb", ["A1.1"])], solutions=solutions)
+
+
+def test_a_worker_that_reports_nothing_earns_nothing_for_every_check():
+    """Finding 1: an empty result was '0/0 checks', a pass. The parent counts the checks."""
+    from pagedlab.grade.notebook import load
+    from pagedlab.grade.report import score
+
+    assignment = load(next(SOLUTIONS.glob("A2_*.ipynb")))
+    hidden = [("<pagedlab check A2.py>", "check_allocator_random_runs", "A2.1")]
+    for result in ({"cells": [], "hidden": [], "violations": []}, {"crash": "it died"}, {"cells": "nonsense"}, None):
+        report = score(assignment, assignment.cells, result, "A2_x.ipynb", hidden)
+        assert not report.passed and sum(t.passed + t.hidden_passed for t in report.tasks) == 0
+        assert sum(t.checks for t in report.tasks) == 15 and report.task("A2.1").hidden == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("level", ["best"], indirect=True)
+def test_a_cell_that_gets_past_the_rules_and_kills_its_parent_harms_no_neighbour(level, tmp_path, monkeypatch):
+    if level != "bwrap":
+        pytest.skip("without namespaces only the rules stop this; it would kill the test run")
+    import grade_cheats
+
+    a1 = nbformat.read(next(SOLUTIONS.glob("A1_*.ipynb")), as_version=4)
+    nbformat.write(grade_cheats.cheat(a1, {"A1.1": grade_cheats.KILL_PARENT}), tmp_path / "A1_kill.ipynb")
+    nbformat.write(a1, tmp_path / "A1_honest.ipynb")
+    monkeypatch.setattr(rules, "check", lambda *args, **kwargs: [])
+    cheat, honest = grade_many([tmp_path / "A1_kill.ipynb", tmp_path / "A1_honest.ipynb"], tasks=["A1.1"])
+    assert cheat.task("A1.1").passed == 0 and cheat.task("A1.1").checks > 0 and not cheat.passed
+    assert honest.passed  # its parent, in the sandbox, is bwrap's pid 1, which ignores the signal
