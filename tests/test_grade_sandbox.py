@@ -117,3 +117,13 @@ def test_a_cell_that_gets_past_the_rules_and_kills_its_parent_harms_no_neighbour
     cheat, honest = grade_many([tmp_path / "A1_kill.ipynb", tmp_path / "A1_honest.ipynb"], tasks=["A1.1"])
     assert cheat.task("A1.1").passed == 0 and cheat.task("A1.1").checks > 0 and not cheat.passed
     assert honest.passed  # its parent, in the sandbox, is bwrap's pid 1, which ignores the signal
+
+
+def test_a_library_function_replaced_through_an_alias_is_caught_when_the_cell_has_run():
+    """The rules see `torch.equal = ...` but not `lib = torch; lib.equal = ...`: the worker
+    compares the libraries' functions before and after each solution cell."""
+    cell = {"index": 4, "kind": "solution", "task": "A2.1", "source": "import math\nlib = math\nlib.floor = abs\n"}
+    job = {"assignment": "A2", "cells": [cell], "forbid": [], "hidden": [], "only": None, "cell_timeout": 60}
+    status, out, err = sandbox.run([sys.executable, "-m", "pagedlab.grade.worker"], json.dumps(job), 300)
+    assert status == 0, err
+    assert json.loads(out)["violations"] == [{"task": "A2.1", "what": "replaces math.floor", "where": ""}]
