@@ -5,6 +5,8 @@ package, the references and an instructor's checks are byte-identical after grad
 import csv
 import hashlib
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -98,3 +100,38 @@ def test_a_batch_grades_every_readable_file_and_gives_the_others_a_row(tmp_path)
     assert "the notebook is A9's" in rows["A1_unknown.ipynb"]["why"]
     assert "the file name says A2 but the notebook is A1's" in rows["A2_actually_A1.ipynb"]["why"]
     assert len(json.loads(report.read_text())) == 4
+
+
+@pytest.mark.slow
+def test_a_course_handed_out_as_a_wheel_is_graded_outside_the_repository(tmp_path):
+    """Deliver 6: the instructors' section of notebooks/README.md, followed from a wheel, in a
+    directory with no checkout: the references come from --solutions, and without it the
+    grader says so."""
+    root = PACKAGE.parent
+    subprocess.run([sys.executable, "-m", "pip", "wheel", str(root), "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(tmp_path / "wheel")], check=True, timeout=600)
+    (wheel,) = (tmp_path / "wheel").glob("pagedlab-*.whl")
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)],
+                   check=True, timeout=600)
+    course = tmp_path / "course"
+    shutil.copytree(SOLUTIONS, course / "solutions")
+    shutil.copy(SOLUTIONS.parent / "sanitize.cfg", course / "sanitize.cfg")
+    grading = tmp_path / "grading"
+    grading.mkdir()
+    shutil.copy(next(SOLUTIONS.glob("A1_*.ipynb")), grading / "A1_mine.ipynb")
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    where = subprocess.run([sys.executable, "-c", "import pagedlab; print(pagedlab.__file__)"], cwd=grading, env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert where.stdout.startswith(str(site)), where.stdout + where.stderr
+
+    def grade(*extra):
+        return subprocess.run([sys.executable, "-m", "pagedlab.grade", "A1_mine.ipynb", "--task", "A1.1", *extra],
+                              cwd=grading, env=env, capture_output=True, text=True, timeout=900)
+
+    without = grade()
+    assert without.returncode == 1 and "no reference for assignment A1" in without.stdout
+    assert "--solutions" in without.stdout
+    done = grade("--solutions", str(course / "solutions"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.strip().splitlines()[-1].startswith("A1 (A1_mine.ipynb): 1/1 tasks passed")
