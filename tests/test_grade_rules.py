@@ -1,7 +1,6 @@
 """The rules a solution cell must keep (pagedlab.grade.rules): every reference solution keeps
 them, and each way around the grader of issue 25 breaks one, named with its line."""
 
-import nbformat
 import pytest
 
 import grade_cheats as cheats
