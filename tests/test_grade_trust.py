@@ -19,7 +19,7 @@ from pagedlab.grade import HIDDEN, grade_many
 from pagedlab.grade.notebook import SOLUTIONS
 
 PACKAGE = HIDDEN.parents[1]
-SECRET = "a private check of the instructor, never shown to a student"
+SECRET = "the instructor writes this line for nobody else"
 
 
 def digest(*dirs: Path) -> dict[str, str]:
@@ -48,8 +48,8 @@ def test_cheats_get_what_their_code_deserves_and_touch_nothing(tmp_path):
         "from pagedlab.grade import task\n\n\n"
         "@task('A2.1')\n"
         "def check_private(nb):\n"
-        f"    '{SECRET}'\n"
-        "    assert nb.Allocator(3).num_free == 3\n"
+        "    'A fresh pool of 3 has 3 free blocks.'\n"
+        f"    assert nb.Allocator(3).num_free == 3  # {SECRET}\n"
     )
     cases = {  # label: (notebook, what its report must satisfy)
         "runner replaced": (cheats.cheat(solution, {"A2.1": cheats.RUNNER}), nothing_earned),
