@@ -107,8 +107,11 @@ def test_a_course_handed_out_as_a_wheel_is_graded_outside_the_repository(tmp_pat
     """Deliver 6: the instructors' section of notebooks/README.md, followed from a wheel, in a
     directory with no checkout: the references come from --solutions, and without it the
     grader says so."""
-    root = PACKAGE.parent
-    subprocess.run([sys.executable, "-m", "pip", "wheel", str(root), "--no-deps", "--no-build-isolation", "-q",
+    source = tmp_path / "source"  # a copy: building in the checkout would leave build/ there
+    shutil.copytree(PACKAGE, source / "pagedlab", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(PACKAGE.parent / name, source / name)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation", "-q",
                     "-w", str(tmp_path / "wheel")], check=True, timeout=600)
     (wheel,) = (tmp_path / "wheel").glob("pagedlab-*.whl")
     site = tmp_path / "site"
