@@ -45,6 +45,7 @@ def breaches(source: str) -> list[rules.Breach]:
     ("def error(call):\n    return 'what the check expects'\n", 1, "rebinds `error`", rules.RULE_NAME),
     ("def f():\n    global KVCacheManager\n    KVCacheManager = dict\n", 2, "`global KVCacheManager`", rules.RULE_NAME),
     ("import math as random\n", 1, "rebinds `random`", rules.RULE_NAME),
+    ("KVCacheManager.allocate = lambda *args: []\n", 1, "assigns to KVCacheManager.allocate", rules.RULE_MODULE),
     ("t = getattr(BlockAllocator, 'allocate')\n", 1, "`getattr`", rules.RULE_INTROSPECT),
     ("x = (lambda: 0).__globals__\n", 1, "`.__globals__`", rules.RULE_INTROSPECT),
 ])

@@ -31,7 +31,7 @@ ALLOWED_DUNDERS = {"__init__"}
 
 RULE_IMPORT = "imports only " + ", ".join(IMPORTS)
 RULE_INTROSPECT = "no introspection of frames, globals or the grader, no exec, eval, compile or open"
-RULE_MODULE = "no assignment to attributes of imported modules"
+RULE_MODULE = "no assignment to attributes of imported modules or of the names imported from them"
 RULE_NAME = "no rebinding of builtins or of names the setup and check cells define"
 RULE_SPECIAL = ("no special methods but __init__ and __post_init__: the checks compare, print, count and "
                 "convert your results with Python's own")
@@ -71,16 +71,16 @@ def _top_level(stmt):
         yield from _top_level(child)
 
 
-def check(source: str, *, forbid=(), protected=frozenset(), modules=frozenset()) -> list[Breach]:
+def check(source: str, *, forbid=(), protected=None) -> list[Breach]:
     """The rules ``source`` breaks. ``forbid``: the assignment's forbidden modules and callables;
-    ``protected``: names the setup cells bind, each with what an import binds it to (see
-    :func:`bound_names`); ``modules``: names bound to modules before the cell."""
+    ``protected``: names the setup and check cells bind, each with the dotted name an import
+    binds it to (see :func:`bound_names`; ``Assignment.protected``)."""
     try:
         tree = ast.parse(source)
     except SyntaxError:
         return []  # it fails when it runs, with Python's own message
-    protected = {**{name: None for name in dir(builtins)}, **dict(protected)}
-    modules = set(modules) | set(IMPORTS)
+    protected = {**{name: None for name in dir(builtins)}, **dict(protected or {})}
+    modules = set(IMPORTS) | {name for name, what in protected.items() if what}  # and what they export
     found = []
     for node in ast.walk(tree):
         line = getattr(node, "lineno", 0)
