@@ -86,3 +86,11 @@ def test_results_that_fool_a_comparison_are_refused(source, line, what, rule):
     """A check cell prints `mine == expected` or a result's repr: an object that always
     compares equal, or prints what the check expects, must not get that far."""
     assert rules.Breach(line, what, rule) in breaches(source), [b.text() for b in breaches(source)]
+
+
+def test_a_name_one_check_leaves_for_the_next_is_protected_a_checks_scratch_name_is_not():
+    """A2.2's checks build `t` and `pool` in one cell and read them in the next: a later
+    solution cell that rebound them would change what the next check sees. `rng`, which every
+    check that uses it binds first, is the student's to use too."""
+    assert rules.Breach(1, "rebinds `pool`", rules.RULE_NAME) in breaches("pool = None\n")
+    assert breaches("rng = None\n") == []

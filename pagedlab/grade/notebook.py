@@ -17,7 +17,7 @@ from pathlib import Path
 import nbformat
 
 from pagedlab.assignments import BEGIN, task_id
-from pagedlab.grade.rules import bound_names
+from pagedlab.grade.rules import bound_names, free_names
 
 SOLUTIONS = Path(__file__).resolve().parents[2] / "notebooks" / "solutions"
 CHECK = re.compile(r"^# Check (?P<task>A\d+(?:\.\d+[a-z]?)?)\b")
@@ -62,16 +62,22 @@ class Assignment:
 
     @property
     def protected(self) -> dict[str, str | None]:
-        """Names the setup and check cells bind and no reference solution cell rebinds (the
-        checks' helpers, the library's classes): a submission may not rebind them."""
-        setup, solution = {}, set()
+        """Names a submission may not rebind: those the setup cells bind (the checks' helpers,
+        tolerances, the library's classes), and those a check cell binds and another reads
+        (``pool`` made in one check, used in the next), unless a reference solution cell binds
+        them itself. A check's own scratch names stay free for the student's scratch code."""
+        setup, checks, read, solution = {}, {}, set(), set()
         for cell in self.cells:
             names = bound_names(cell.source)
-            if cell.kind != "solution":
+            if cell.kind == "setup":
                 setup.update(names)
-            elif cell.kind == "solution":
+            elif cell.kind == "check":
+                checks.update(names)
+                read |= free_names(cell.source)
+            else:
                 solution |= set(names)
-        return {name: what for name, what in setup.items() if name not in solution}
+        shared = {name: what for name, what in checks.items() if name in read}
+        return {name: what for name, what in {**shared, **setup}.items() if name not in solution}
 
     def clean(self, text: str) -> str:
         """Output as compared: sanitized (addresses, timings), trailing spaces dropped."""

@@ -32,7 +32,7 @@ ALLOWED_DUNDERS = {"__init__"}
 RULE_IMPORT = "imports only " + ", ".join(IMPORTS)
 RULE_INTROSPECT = "no introspection of frames, globals or the grader, no exec, eval, compile or open"
 RULE_MODULE = "no assignment to attributes of imported modules or of the names imported from them"
-RULE_NAME = "no rebinding of builtins or of names the setup and check cells define"
+RULE_NAME = "no rebinding of builtins, of names the setup cells define or of names one check cell leaves for another"
 RULE_SPECIAL = ("no special methods but __init__ and __post_init__: the checks compare, print, count and "
                 "convert your results with Python's own")
 SPECIAL_ALLOWED = {"__init__", "__post_init__"}
@@ -60,6 +60,26 @@ def bound_names(source: str) -> dict[str, str | None]:
     for name, what, _ in _bindings(tree):
         found[name] = what if found.get(name, what) == what else None
     return found
+
+
+def free_names(source: str) -> set[str]:
+    """Names a cell reads but binds nowhere in it (not at top level, in a function, as a
+    parameter or a comprehension's variable): what it takes from earlier cells."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return set()
+    loads, stores = set(), set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Name):
+            (loads if isinstance(n.ctx, ast.Load) else stores).add(n.id)
+        elif isinstance(n, ast.arg):
+            stores.add(n.arg)
+        elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            stores.add(n.name)
+        elif isinstance(n, (ast.Import, ast.ImportFrom)):
+            stores |= {(a.asname or a.name).split(".")[0] for a in n.names}
+    return loads - stores
 
 
 def _top_level(stmt):
