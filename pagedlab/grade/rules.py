@@ -93,7 +93,7 @@ def _top_level(stmt):
 
 def check(source: str, *, forbid=(), protected=None) -> list[Breach]:
     """The rules ``source`` breaks. ``forbid``: the assignment's forbidden modules and callables;
-    ``protected``: names the setup and check cells bind, each with the dotted name an import
+    ``protected``: names a submission may not rebind, each with the dotted name an import
     binds it to (see :func:`bound_names`; ``Assignment.protected``)."""
     try:
         tree = ast.parse(source)
