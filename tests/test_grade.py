@@ -77,11 +77,12 @@ def test_grader_fails_every_broken_solution_passes_variants_and_refuses_cheats(n
         add(f"correct variant '{label}'", edited(name, edits), None, lambda r: r.passed)
     for label, (task, old, new) in BROKEN[name].items():
         add(f"broken '{label}'", edited(name, [(old, new)]), [task],
-            lambda r, task=task: not r.refused and not r.task(task).ok and not r.task(task).library_use)
+            lambda r, task=task: not r.refused and not r.task(task).ok and not r.task(task).library_use
+            and not r.task(task).refused)
     if name in FORBIDDEN:
         task, old, new = FORBIDDEN[name]
         add("delegating to the library", edited(name, [(old, new)]), [task],
-            lambda r, task=task: r.task(task).library_use and not r.task(task).ok)
+            lambda r, task=task: (r.task(task).library_use or r.task(task).refused) and not r.task(task).ok)
     add("check cells replaced by prints", cheat_printed_outputs(name), None,
         lambda r: any("was edited or deleted" in x for x in r.refused))
     add("NBVAL_SKIP in the check cells", cheat_nbval_skip(name), None,
@@ -187,6 +188,7 @@ def test_command_line_grades_a_buggy_notebook_with_extra_checks_and_writes_json(
     assert lines[-1] == "A2 (A2_block_allocator_mine.ipynb): 0/2 tasks passed; 5/8 checks, 1/3 hidden checks"
     assert "A2.1: 1/4 checks, hidden 0/1  [FAIL]" in lines
     assert "blocks_needed(5) is not 99" in done.stdout
+    assert str(extra) not in done.stdout  # an instructor's file is named, never its path
     data = json.loads(report.read_text())[0]
     assert data["passed"] is False and [t["task"] for t in data["tasks"]] == ["A2.1", "A2.2"]
     first = data["tasks"][0]["failures"][0]
@@ -199,3 +201,49 @@ def test_a_broken_check_file_fails_the_grade(tmp_path):
     report = grade_many([(solution_path("A1"), ["A1.1"])], extra_checks=[tmp_path])[0]
     assert not report.passed
     assert "loading" in report.task("A1").failures[0] and "SyntaxError" in report.task("A1").failures[0]
+
+
+def test_a_duplicated_solution_cell_is_refused_naming_both_cells():
+    """Finding 9: a cell copied in Jupyter keeps its metadata; the grader took the untouched
+    copy and only noted that a cell was not run."""
+    nb = make_student(nbformat.read(solution_path("A2"), as_version=4))
+    index = next(i for i, c in enumerate(nb.cells) if c.metadata.get("pagedlab", {}).get("solution") == "A2.1")
+    copy = nbformat.from_dict(json.loads(json.dumps(nb.cells[index])))
+    copy.source = copy.source.replace("raise NotImplementedError('A2.1: free-list allocator')", "return []")
+    nb.cells.insert(index + 1, copy)
+    refusals = assemble(load(solution_path("A2")), nb).refusals
+    assert refusals == [f"cells {index + 1}, {index + 2} are all the A2.1 solution cell (a copied cell keeps its "
+                        "metadata): delete all but the one you want graded"]
+
+
+def test_a_failing_property_shows_the_falsifying_example_without_hypothesis_commentary():
+    from hypothesis import given
+    from hypothesis import strategies as st
+
+    from pagedlab.grade.checks import GRADING
+
+    @GRADING
+    @given(st.lists(st.integers(0, 9)), st.integers(0, 9))
+    def check(xs, y):
+        assert y != 3
+
+    with pytest.raises(AssertionError) as failed:
+        check()
+    notes = "\n".join(getattr(failed.value, "__notes__", []))
+    assert "y=3" in notes and "any other generated value" not in notes and "varied together" not in notes
+
+
+def test_a_knock_on_failure_names_the_task_that_failed_first():
+    """Finding 9: A2.4's check failed inside its own code when A2.3's fork was broken."""
+    from pagedlab.grade.report import score
+
+    assignment = load(solution_path("A2"))
+    results = []
+    for cell in assignment.cells:
+        broken = cell.kind == "check" and cell.task in ("A2.3", "A2.4")
+        error = {"type": "IndexError", "message": "list index out of range", "where": ""} if broken else None
+        results.append({"index": cell.index, "stdout": "" if broken else cell.expected or "", "student_stdout": "",
+                        "error": error})
+    report = score(assignment, assignment.cells, {"cells": results, "hidden": [], "violations": []}, "A2_x.ipynb")
+    assert "(because A2.3 failed: this check uses its SharedBlockTable)" in report.task("A2.4").failures[0]
+    assert "because" not in report.task("A2.3").failures[0]

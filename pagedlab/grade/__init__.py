@@ -1,10 +1,13 @@
 """The assignment grader: ``python -m pagedlab.grade NOTEBOOK [--extra-checks DIR]``.
 
 It grades a submitted notebook against the reference the package owns (``notebooks/solutions``):
-only the student's solution cells are taken from the submission and run, in a fresh process,
-between the reference's own setup and check cells; outputs are compared with the reference's
-stored ones; then the hidden checks run (the package's ``pagedlab/grade/hidden`` and an
-instructor's ``--extra-checks`` directory). See ``notebooks/README.md``.
+only the student's solution cells are taken from the submission, checked against the rules of
+``pagedlab.grade.rules``, and run in a sealed process of their own (``pagedlab.grade.sandbox``)
+between the reference's own setup and check cells; then the hidden checks run there (the
+package's ``pagedlab/grade/hidden`` and an instructor's ``--extra-checks`` directory, sent as
+text). This process, where no student code runs, compares what came back with the reference's
+stored outputs and counts every check that did not report as failed. See
+``notebooks/README.md``.
 
 A hidden check is a function in a file ``<assignment>*.py`` (``A2_properties.py``), marked with
 :func:`task`; it receives the notebook's namespace and fails by raising::
@@ -20,19 +23,21 @@ A hidden check is a function in a file ``<assignment>*.py`` (``A2_properties.py`
 
 from __future__ import annotations
 
+import ast
+import hashlib
 import json
 import os
-import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import nbformat
 
-from pagedlab.grade.notebook import SOLUTIONS, Assignment, assemble, load, reference_for
+from pagedlab.grade import rules, sandbox
+from pagedlab.grade.notebook import ASSIGNMENT, SOLUTIONS, Assignment, assemble, load, reference_for
 from pagedlab.grade.report import Report, score
 
-HIDDEN = Path(__file__).resolve().parent / "hidden"
-PRELOAD = ["pagedlab", "pagedlab.grade", "torch", "numpy", "matplotlib.pyplot", "hypothesis"]
+HIDDEN = sandbox.HIDDEN
 
 
 def task(name: str):
@@ -54,43 +59,61 @@ def grade_many(
     cell_timeout: float = 300.0,
     timeout: float = 900.0,
 ) -> list[Report]:
-    """Grade submitted notebooks (paths, or (path, tasks) pairs), each in a fresh process.
+    """Grade submitted notebooks (paths, or (path, tasks) pairs), each in a sealed process of
+    its own, as many at a time as there are cores.
 
-    The processes are forked from one that imported torch and the package once, so a batch
-    costs one import. ``tasks`` limits each run to those tasks' checks and stops after their
-    last cell (for fast tests of single tasks); ``None`` grades everything.
+    ``tasks`` limits each run to those tasks' checks and stops after their last cell (for fast
+    tests of single tasks); ``None`` grades everything.
     """
     jobs, plans = [], []
+    checks = hidden_sources([HIDDEN, *extra_checks])
     for item in notebooks:
         path, only = (Path(item[0]), item[1]) if isinstance(item, tuple) else (Path(item), tasks)
-        name = path.name
-        assignment = load(reference_for(path, solutions))
+        try:
+            nb = nbformat.read(path, as_version=4)
+            assignment = load(reference_for(path, nb, solutions))
+            submission = assemble(assignment, nb)
+        except Exception as err:  # noqa: BLE001 - one unreadable file is one row, never the batch's end
+            match = ASSIGNMENT.match(path.name)
+            why = str(err) if isinstance(err, ValueError) and path.name in str(err) else f"{type(err).__name__}: {err}"
+            plans.append((Report(path.name, match[1] if match else "?", refused=[f"unreadable: {why}"]),))
+            continue
         unknown = sorted(set(only or ()) - set(assignment.tasks))
         if unknown:
             raise ValueError(f"{path.name}: {assignment.name} has no task {', '.join(unknown)}; "
                              f"its tasks are {', '.join(assignment.tasks)}")
-        submission = assemble(assignment, nbformat.read(path, as_version=4))
-        cells = _selected(assignment, submission.cells, only)
-        plans.append((assignment, submission, cells, name, only))
+        cells, breaches = _checked(assignment, _selected(assignment, submission.cells, only))
+        hidden = [h for h in checks if _for(h["file"], assignment.name)]
+        expected = [(h["label"], name, task) for h in hidden for name, task in h["checks"]
+                    if not only or task in only]
+        plans.append((assignment, submission, cells, path.name, only, breaches, expected))
         if submission.refusals:
             continue
-        hidden_dirs = [str(HIDDEN)] + [str(d) for d in extra_checks]
         jobs.append({
             "assignment": assignment.name,
             "cells": [{"index": c.index, "kind": c.kind, "task": c.task, "source": c.source} for c in cells],
             "forbid": assignment.forbid,
-            "hidden_dirs": hidden_dirs,
+            "hidden": [{"label": h["label"], "source": h["source"]} for h in hidden],
             "only": only,
             "cell_timeout": cell_timeout,
-            "timeout": timeout,
         })
-    results = iter(_run(jobs, timeout) if jobs else [])
+    protected = [HIDDEN.parent.parent, solutions, *extra_checks]
+    before = _digest(protected)
+    results = iter(_run(jobs, timeout))
+    changed = sorted(p for p, d in _digest(protected).items() if before.get(p) != d)
+    if changed:
+        raise RuntimeError(f"a submission changed the grader's files ({', '.join(changed)}): "
+                           f"restore them; no grade of this batch can be trusted")
     reports = []
-    for assignment, submission, cells, name, only in plans:
+    for plan in plans:
+        if len(plan) == 1:  # unreadable
+            reports.append(plan[0])
+            continue
+        assignment, submission, cells, name, only, breaches, expected = plan
         if submission.refusals:
             report = Report(name, assignment.name, refused=submission.refusals, notes=submission.notes)
         else:
-            report = score(assignment, cells, next(results), name)
+            report = score(assignment, cells, next(results), name, expected, breaches)
             keep = set(only or ()) | {assignment.name} if only else None  # a broken check file fails "A2"
             report.tasks = [t for t in report.tasks if keep is None or t.task in keep and (t.task in only or not t.ok)]
             report.notes[:0] = submission.notes
@@ -112,17 +135,75 @@ def _selected(assignment: Assignment, cells: list, tasks: list | None) -> list:
     return cells[: last + 1]
 
 
+def _checked(assignment: Assignment, cells: list) -> tuple[list, dict[str, list[str]]]:
+    """The cells, each solution cell that breaks a rule emptied (it is not run), and the
+    refusals by task: 'your A2.1 cell (cell 4), line 3: `sys` (no introspection ...)'."""
+    protected, out, breaches = assignment.protected, [], {}
+    for cell in cells:
+        found = rules.check(cell.source, forbid=assignment.forbid, protected=protected) if cell.kind == "solution" else []
+        if found:
+            for task in cell.task.split("/"):
+                breaches.setdefault(task, []).extend(
+                    f"your {cell.task} cell (cell {cell.index}), {b.text()}: it was not run" for b in found)
+            cell = type(cell)(cell.index, cell.kind, "", cell.task, cell.expected, cell.cell_id, cell.tags)
+        out.append(cell)
+    return out, breaches
+
+
+def _for(file: str, assignment: str) -> bool:
+    """Whether a check file belongs to the assignment: A2.py, A2_more.py; not A20.py."""
+    stem = file.removesuffix(".py")
+    return stem.startswith(assignment) and not stem[len(assignment):][:1].isdigit()
+
+
+def hidden_sources(dirs: list[Path]) -> list[dict]:
+    """Every hidden-check file of the directories, read now (the submission never sees the
+    files): a label that shows no path, its text, and (name, task) of each check it defines."""
+    found = []
+    for n, d in enumerate(dirs):
+        for path in sorted(Path(d).glob("A*.py")):
+            source = path.read_text()
+            owner = "pagedlab" if n == 0 else "instructor" + (f" {n}" if len(dirs) > 2 else "")
+            found.append({"label": f"<{owner} check {path.name}>", "file": path.name, "source": source, "checks": _marked(source)})
+    return found
+
+
+def _marked(source: str) -> list[tuple[str, str]]:
+    """(function, task) of each function decorated with ``@task("...")``, read statically."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return []
+    found = []
+    for node in tree.body:
+        for dec in getattr(node, "decorator_list", []):
+            if (isinstance(dec, ast.Call) and getattr(dec.func, "id", getattr(dec.func, "attr", None)) == "task"
+                    and dec.args and isinstance(dec.args[0], ast.Constant)):
+                found.append((node.name, dec.args[0].value))
+    return found
+
+
+def _digest(dirs: list[Path]) -> dict[str, str]:
+    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for d in dirs for p in sorted(Path(d).rglob("*"))
+            if p.is_file() and "__pycache__" not in p.parts}
+
+
 def _run(jobs: list[dict], timeout: float) -> list[dict]:
-    """Run the jobs in one worker process (it forks a child per job, see worker._run_group)."""
-    env = {**os.environ, "MPLBACKEND": "Agg", "PYTHONHASHSEED": "0"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SOLUTIONS.parents[1]), env.get("PYTHONPATH")]))
+    """Each job's results, from a sealed worker process of its own (``{"crash": why}`` if it
+    reported nothing readable)."""
+
+    def one(job):
+        status, out, err = sandbox.run([sys.executable, "-m", "pagedlab.grade.worker"], json.dumps(job), timeout)
+        if status is None:
+            return {"crash": f"the submission ran for more than {timeout:g} s and was stopped"}
+        try:
+            result = json.loads(out)
+        except ValueError:
+            result = None
+        if not isinstance(result, dict):
+            return {"crash": f"the submission's process ended (status {status}) before reporting"}
+        return result
+
     parallel = max(1, min(len(jobs), len(os.sched_getaffinity(0))))
-    request = {"jobs": jobs, "preload": PRELOAD, "parallel": parallel}
-    done = subprocess.run(
-        [sys.executable, "-m", "pagedlab.grade.worker"],
-        input=json.dumps(request), capture_output=True, text=True, env=env,
-        timeout=timeout * len(jobs) + 120,
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"the grader's worker failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout)
+    with ThreadPoolExecutor(parallel) as pool:
+        return list(pool.map(one, jobs))

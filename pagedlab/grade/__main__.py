@@ -1,7 +1,9 @@
-"""``python -m pagedlab.grade NOTEBOOK... [--extra-checks DIR] [--json REPORT]``: grade, print
-each report and its summary line, write the JSON report; exit 0 only if everything passed."""
+"""``python -m pagedlab.grade NOTEBOOK_OR_DIR... [--extra-checks DIR] [--json REPORT] [--csv
+GRADEBOOK]``: grade, print each report and its summary line, write the JSON reports and a CSV
+gradebook (one row per file, unreadable ones included); exit 0 only if everything passed."""
 
 import argparse
+import csv
 import json
 import sys
 from pathlib import Path
@@ -11,10 +13,12 @@ from pagedlab.grade import SOLUTIONS, grade_many
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pagedlab.grade", description=__doc__)
-    parser.add_argument("notebooks", nargs="+", type=Path, help="submitted notebooks (A<n>_*.ipynb)")
+    parser.add_argument("notebooks", nargs="+", type=Path,
+                        help="submitted notebooks (A<n>_*.ipynb), or directories of them")
     parser.add_argument("--extra-checks", action="append", type=Path, default=[], metavar="DIR",
                         help="a directory of an instructor's hidden checks (A<n>*.py); repeatable")
     parser.add_argument("--json", type=Path, metavar="REPORT", help="write the reports here as JSON")
+    parser.add_argument("--csv", type=Path, metavar="GRADEBOOK", help="write one row per notebook here")
     parser.add_argument("--solutions", type=Path, default=SOLUTIONS, help="the reference notebooks")
     parser.add_argument("--task", action="append", dest="tasks", metavar="TASK",
                         help="grade only this task (A2.3); repeatable")
@@ -23,11 +27,16 @@ def main(argv=None) -> int:
     for d in args.extra_checks:
         if not d.is_dir():
             parser.error(f"--extra-checks {d}: no such directory")
+    notebooks = []
     for nb in args.notebooks:
-        if not nb.is_file():
-            parser.error(f"{nb}: no such notebook")
+        if nb.is_dir():
+            notebooks += sorted(nb.glob("*.ipynb"))
+        elif nb.is_file():
+            notebooks.append(nb)
+        else:
+            parser.error(f"{nb}: no such notebook or directory")
     try:
-        reports = grade_many(args.notebooks, extra_checks=args.extra_checks, solutions=args.solutions,
+        reports = grade_many(notebooks, extra_checks=args.extra_checks, solutions=args.solutions,
                              tasks=args.tasks, cell_timeout=args.cell_timeout)
     except ValueError as err:  # an unknown assignment or task: nothing was graded
         parser.error(str(err))
@@ -35,6 +44,17 @@ def main(argv=None) -> int:
         print(report.text(), end="\n\n" if len(reports) > 1 else "\n")
     if args.json:
         args.json.write_text(json.dumps([r.as_dict() for r in reports], indent=1) + "\n")
+    if args.csv:
+        with args.csv.open("w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["notebook", "assignment", "status", "tasks passed", "tasks", "checks passed", "checks",
+                             "hidden passed", "hidden", "why"])
+            for r in reports:
+                status = "refused" if r.refused else "passed" if r.passed else "failed"
+                writer.writerow([r.notebook, r.assignment, status, sum(t.ok for t in r.tasks), len(r.tasks),
+                                 sum(t.passed for t in r.tasks), sum(t.checks for t in r.tasks),
+                                 sum(t.hidden_passed for t in r.tasks), sum(t.hidden for t in r.tasks),
+                                 "; ".join(r.refused)])
     return 0 if all(r.passed for r in reports) else 1
 
 

@@ -3,12 +3,15 @@ that names the first operation where the student's code and the reference part w
 
 from __future__ import annotations
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 
 # Deterministic (the same examples for every student), no example database, no deadline
-# (the Triton interpreter and a loaded CI machine are slow), few examples (seconds, not minutes).
+# (the Triton interpreter and a loaded CI machine are slow), few examples (seconds, not minutes),
+# and no "explain" phase: its comments on which parts of the example varied are noise to a
+# student, who needs the falsifying example alone.
 GRADING = settings(max_examples=30, deadline=None, derandomize=True, database=None,
-                   suppress_health_check=list(HealthCheck), print_blob=False)
+                   suppress_health_check=list(HealthCheck), print_blob=False,
+                   phases=[p for p in Phase if p is not Phase.explain])
 
 
 def outcome(call):
@@ -19,6 +22,18 @@ def outcome(call):
         raise
     except Exception as e:  # noqa: BLE001 - the student's error is what is compared
         return "error", type(e).__name__
+
+
+def plain(value):
+    """``value`` as plain data (numbers, strings, lists, tuples, dicts of them), so that a
+    comparison runs the interpreter's ``==``, never a method of the student's classes."""
+    if value is None or type(value) in (bool, int, float, str):
+        return value
+    if type(value) in (list, tuple):
+        return type(value)(plain(v) for v in value)
+    if type(value) is dict:
+        return {plain(k): plain(v) for k, v in value.items()}
+    raise TypeError(f"expected plain data (numbers, strings, lists, tuples, dicts), got a {type(value).__name__}")
 
 
 class Diverged(AssertionError):

@@ -17,6 +17,7 @@ from pathlib import Path
 import nbformat
 
 from pagedlab.assignments import BEGIN, task_id
+from pagedlab.grade.rules import bound_names, free_names
 
 SOLUTIONS = Path(__file__).resolve().parents[2] / "notebooks" / "solutions"
 CHECK = re.compile(r"^# Check (?P<task>A\d+(?:\.\d+[a-z]?)?)\b")
@@ -59,6 +60,25 @@ class Assignment:
                     seen.append(task)
         return sorted(seen, key=lambda t: (t == self.name, seen.index(t)))
 
+    @property
+    def protected(self) -> dict[str, str | None]:
+        """Names a submission may not rebind: those the setup cells bind (the checks' helpers,
+        tolerances, the library's classes), and those a check cell binds and another reads
+        (``pool`` made in one check, used in the next), unless a reference solution cell binds
+        them itself. A check's own scratch names stay free for the student's scratch code."""
+        setup, checks, read, solution = {}, {}, set(), set()
+        for cell in self.cells:
+            names = bound_names(cell.source)
+            if cell.kind == "setup":
+                setup.update(names)
+            elif cell.kind == "check":
+                checks.update(names)
+                read |= free_names(cell.source)
+            else:
+                solution |= set(names)
+        shared = {name: what for name, what in checks.items() if name in read}
+        return {name: what for name, what in {**shared, **setup}.items() if name not in solution}
+
     def clean(self, text: str) -> str:
         """Output as compared: sanitized (addresses, timings), trailing spaces dropped."""
         for pattern, replacement in self.sanitize:
@@ -100,17 +120,21 @@ def load(path: Path) -> Assignment:
     return assignment
 
 
-def reference_for(notebook: Path, solutions: Path = SOLUTIONS) -> Path:
-    """The solution notebook of the assignment a submission belongs to (by its metadata or name)."""
-    nb = nbformat.read(notebook, as_version=4)
-    name = nb.metadata.get("pagedlab", {}).get("assignment")
+def reference_for(notebook: Path, nb: nbformat.NotebookNode, solutions: Path = SOLUTIONS) -> Path:
+    """The solution notebook of the assignment a submission's file name names (``A2_mine.ipynb``);
+    ValueError if the name names none, names one with no reference, or its metadata names another."""
     match = ASSIGNMENT.match(notebook.name)
-    name = name or (match[1] if match else None)
-    if name is None:
-        raise ValueError(f"{notebook}: cannot tell which assignment this is (name it A<n>_...ipynb)")
-    found = sorted(solutions.glob(f"{name}_*.ipynb"))
+    if match is None:
+        raise ValueError(f"{notebook.name}: cannot tell which assignment this is (name it A<n>_...ipynb)")
+    name = match[1]
+    claimed = nb.metadata.get("pagedlab", {}).get("assignment") if isinstance(nb.metadata, dict) else None
+    if claimed and claimed != name:
+        raise ValueError(f"{notebook.name}: the file name says {name} but the notebook is {claimed}'s "
+                         f"(its metadata): grade it under a name that starts with {claimed}_")
+    found = sorted(Path(solutions).glob(f"{name}_*.ipynb"))
     if not found:
-        raise ValueError(f"{notebook}: no reference for assignment {name} in {solutions}")
+        raise ValueError(f"{notebook.name}: no reference for assignment {name} in {solutions} "
+                         f"(pass the directory of the solution notebooks with --solutions)")
     return found[0]
 
 
@@ -133,6 +157,13 @@ def assemble(assignment: Assignment, nb: nbformat.NotebookNode) -> Submission:
     refusals, used, cells = [], set(), []
     for ref in assignment.cells:
         if ref.kind == "solution":
+            twins = [c for c in code if c.metadata.get("pagedlab", {}).get("solution") == ref.task]
+            if len(twins) > 1:
+                where = [next(i for i, c in enumerate(nb.cells, start=1) if c is t) for t in twins]
+                refusals.append(
+                    f"cells {', '.join(map(str, where))} are all the {ref.task} solution cell (a copied cell "
+                    f"keeps its metadata): delete all but the one you want graded")
+                continue
             mine = _solution_cell(ref, code)
             if mine is None:
                 refusals.append(

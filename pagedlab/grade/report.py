@@ -3,10 +3,12 @@ labelled, the library uses found; a summary line and a JSON-ready dict for an in
 
 from __future__ import annotations
 
+import ast
 import re
 from dataclasses import asdict, dataclass, field
 
 from pagedlab.grade.notebook import Assignment, Cell
+from pagedlab.grade.rules import bound_names
 
 CELL_FILE = re.compile(r"<cell (\d+)(?:: ([^>]+))?> line (\d+)")
 
@@ -20,14 +22,17 @@ class TaskScore:
     hidden_passed: int = 0
     failures: list[str] = field(default_factory=list)  # the first failing visible and hidden check
     library_use: list[str] = field(default_factory=list)
+    refused: list[str] = field(default_factory=list)  # rules its solution cell broke (not run)
 
     @property
     def ok(self) -> bool:
-        return self.passed == self.checks and self.hidden_passed == self.hidden and not self.library_use
+        return (self.passed == self.checks and self.hidden_passed == self.hidden
+                and not self.library_use and not self.refused)
 
     def line(self) -> str:
         hidden = f", hidden {self.hidden_passed}/{self.hidden}" if self.hidden else ""
-        flag = "" if self.ok else ("  [uses the library]" if self.library_use else "  [FAIL]")
+        flag = "" if self.ok else ("  [REFUSED]" if self.refused else "  [uses the library]" if self.library_use
+                                   else "  [FAIL]")
         return f"{self.task}: {self.passed}/{self.checks} checks{hidden}{flag}"
 
 
@@ -65,7 +70,7 @@ class Report:
             lines += ["The submission was refused:"] + [f"  - {r}" for r in self.refused]
         for t in self.tasks:
             lines.append(t.line())
-            lines += [f"    {f}" for f in t.library_use + t.failures]
+            lines += [f"    {f}" for f in t.refused + t.library_use + t.failures]
         lines += [f"note: {n}" for n in self.notes]
         for where, out in self.student_output.items():
             shown = out.rstrip().splitlines()
@@ -109,49 +114,90 @@ def _diff(expected: str, actual: str, limit: int = 6) -> str:
     return "\n".join(lines)
 
 
-def score(assignment: Assignment, cells: list[Cell], result: dict, notebook: str) -> Report:
-    """The report of one run (``result`` as the worker returns it)."""
+def score(assignment: Assignment, cells: list[Cell], result: dict, notebook: str,
+          hidden: list[tuple[str, str, str]] = (), refused: dict[str, list[str]] | None = None) -> Report:
+    """The report of one run. ``result`` is what the worker sent, untrusted: every check cell of
+    ``cells`` and every hidden check of ``hidden`` ((label, function, task), found by the
+    grader) that it does not report on fails; ``refused``: rules broken, by task."""
     report = Report(notebook, assignment.name)
     run = {c.task for c in cells if c.kind == "check"}
     scores = {t: TaskScore(t) for t in assignment.tasks if t in run}
     by_index = {c.index: c for c in cells}
-    if "crash" in result:
-        for s in scores.values():
-            s.checks = sum(c.kind == "check" and c.task == s.task for c in assignment.cells)
-            s.failures.append(result["crash"])
-        report.tasks = list(scores.values())
-        return report
-    for cell, out in zip(cells, result["cells"]):
-        actual = assignment.clean(out["stdout"])
-        if out["student_stdout"].strip():
-            report.student_output[f"cell {cell.index} ('{cell.title}')"] = out["student_stdout"]
+    crash = result.get("crash") if isinstance(result, dict) else "the worker sent no results"
+    missing = f"did not run: {crash}" if crash else "did not run: the submission's process reported nothing for it"
+    outs = {o.get("index"): o for o in _list(result, "cells") if isinstance(o, dict)}
+    for cell in cells:
+        out = outs.get(cell.index)
+        if out is None:
+            if cell.kind == "check" and cell.task in scores:
+                scores[cell.task].checks += 1
+                _first(scores[cell.task], f"first failing check: '{cell.title}' (cell {cell.index})\n      {missing}")
+            continue
+        actual, error = assignment.clean(str(out.get("stdout", ""))), out.get("error")
+        error = {k: str(v) for k, v in error.items()} if isinstance(error, dict) else None
+        if str(out.get("student_stdout", "")).strip():
+            report.student_output[f"cell {cell.index} ('{cell.title}')"] = str(out["student_stdout"])
         if cell.kind == "check" and cell.task in scores:
             s = scores[cell.task]
             s.checks += 1
-            if out["error"] is None and actual == cell.expected:
+            if error is None and actual == cell.expected:
                 s.passed += 1
-            elif not any(f.startswith("first failing check") for f in s.failures):
-                what = _error_text(out["error"], by_index) if out["error"] else _diff(cell.expected, actual)
-                s.failures.insert(0, f"first failing check: '{cell.title}' (cell {cell.index})\n      {what}")
-        elif cell.kind == "setup" and (out["error"] or (cell.expected is not None and actual != cell.expected)):
-            what = _error_text(out["error"], by_index) if out["error"] else _diff(cell.expected or "", actual)
+            else:
+                what = _error_text(error, by_index) if error else _diff(cell.expected, actual)
+                what += _because(assignment, cell, scores)
+                _first(s, f"first failing check: '{cell.title}' (cell {cell.index})\n      {what}")
+        elif cell.kind == "setup" and (error or (cell.expected is not None and actual != cell.expected)):
+            what = _error_text(error, by_index) if error else _diff(cell.expected or "", actual)
             report.setup_mismatches.append(f"cell {cell.index} ('{cell.title}'): {what}")
-        elif cell.kind == "solution" and out["error"]:
-            report.notes.append(f"your {cell.task} cell (cell {cell.index}) {_error_text(out['error'], by_index)}")
-    for h in result["hidden"]:
-        s = scores.setdefault(h["task"], TaskScore(h["task"]))
+        elif cell.kind == "solution" and error:
+            report.notes.append(f"your {cell.task} cell (cell {cell.index}) {_error_text(error, by_index)}")
+    reported = {(str(h.get("file")), str(h.get("name"))): h for h in _list(result, "hidden") if isinstance(h, dict)}
+    broken = [h for h in reported.values() if str(h.get("name", "")).startswith("loading ")]
+    for label, name, task in [*hidden, *((str(h["file"]), str(h["name"]), str(h.get("task"))) for h in broken)]:
+        h = reported.get((label, name))
+        s = scores.setdefault(task, TaskScore(task))
         s.hidden += 1
-        if h["error"] is None:
+        if h is not None and h.get("error") is None:
             s.hidden_passed += 1
-        elif not any(f.startswith("first failing hidden check") for f in s.failures):
-            doc = f" ({h['doc']})" if h["doc"] else ""
-            s.failures.append(f"first failing hidden check: {h['name']}{doc}\n      {_error_text(h['error'], by_index)}")
-    for v in result["violations"]:
-        where = f" ({v['where']})" if v["where"] else ""
-        message = f"your {v['task']} code {v['what']}{where}: the assignment forbids it"
-        for task in v["task"].split("/"):
+            continue
+        doc = f" ({h['doc']})" if h and h.get("doc") else ""
+        why = _error_text({k: str(v) for k, v in h["error"].items()}, by_index) if h and isinstance(h.get("error"), dict) else missing
+        s.failures.append(f"failing hidden check: {name}{doc}\n      {why}")
+    for v in _list(result, "violations"):
+        if not isinstance(v, dict):
+            continue
+        where = f" ({v.get('where')})" if v.get("where") else ""
+        message = f"your {v.get('task')} code {v.get('what')}{where}: the assignment forbids it"
+        for task in str(v.get("task")).split("/"):
             s = scores.setdefault(task, TaskScore(task))
             if message not in s.library_use:
                 s.library_use.append(message)
+    for task, breaches in (refused or {}).items():
+        scores.setdefault(task, TaskScore(task)).refused += breaches
     report.tasks = list(scores.values())
     return report
+
+
+def _because(assignment: Assignment, check: Cell, scores: dict[str, TaskScore]) -> str:
+    """' (because A2.3 failed: this check uses its SharedBlockTable)' when the check cell uses a
+    name that the solution cell of an earlier task, failing so far, defines."""
+    used = {n.id for n in ast.walk(ast.parse(check.source)) if isinstance(n, ast.Name)}
+    for cell in assignment.cells:
+        tasks = [t for t in cell.task.split("/") if t != check.task]
+        failed = [t for t in tasks if t in scores and scores[t].passed < scores[t].checks]
+        if cell.kind == "solution" and failed:
+            names = sorted(used & set(bound_names(cell.source)))
+            if names:
+                return f"\n      (because {failed[0]} failed: this check uses its {', '.join(names)})"
+    return ""
+
+
+def _list(result, key: str) -> list:
+    value = result.get(key) if isinstance(result, dict) else None
+    return value if isinstance(value, list) else []
+
+
+def _first(s: TaskScore, failure: str) -> None:
+    """Keep a task's first failing visible check, ahead of its hidden ones."""
+    if not any(f.startswith("first failing check") for f in s.failures):
+        s.failures.insert(0, failure)

@@ -1,20 +1,18 @@
-"""The process that runs submissions, each as if in a fresh process of its own.
+"""The process that runs one submission: ``python -m pagedlab.grade.worker`` (sealed by
+pagedlab.grade.sandbox) reads a job on stdin and writes its results as JSON on stdout.
 
-It reads a request on stdin (jobs, modules to import once, how many children at a time) and
-writes a JSON list of results on stdout. Each job's cells run in order in one namespace, as a
-kernel would run them, then its hidden checks; per cell it reports what the check code printed
-(the student's own prints are set aside), the error if any, and every use of forbidden library
-code from the student's code. Children are forked from a process that has imported torch and
-the library, and jobs that begin with the same cells share one child up to where they differ
-(see _run_group). Nothing here compares or scores.
+The job holds everything the run needs (cells, hidden checks' sources, forbidden library
+names), so the process needs no file of the grader's. Its cells run in order in one namespace,
+as a kernel would run them, then the hidden checks; per cell it reports what the check code
+printed (the student's own prints are set aside), the error if any, and every use of forbidden
+library code from the student's code. It decides nothing: the grader compares what it reports
+with the reference, and counts whatever it did not report as failed.
 """
 
 from __future__ import annotations
 
-import ast
 import functools
 import importlib
-import importlib.util
 import io
 import json
 import os
@@ -23,7 +21,8 @@ import signal
 import sys
 import traceback
 import types
-from pathlib import Path
+
+from pagedlab.grade import rules
 
 CELL_PREFIX = "<cell "  # filename of a notebook cell's code: "<cell 7: A2.1>" or "<cell 8>"
 
@@ -194,22 +193,18 @@ def bindings(namespace: dict, classes: set) -> dict[str, str]:
     return found
 
 
-def imports_of(source: str, names: list[str]) -> list[str]:
-    """Forbidden modules the source imports (by name, statically)."""
-    try:
-        tree = ast.parse(source)
-    except SyntaxError:
-        return []
-    found = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            mods = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            mods = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-        else:
+def library_state() -> dict[tuple[str, str], int]:
+    """The identity of every public function, class and module that the libraries a check may
+    use expose: a solution cell must leave them as it found them (``torch.equal = ...``)."""
+    roots = set(rules.IMPORTS) | {"builtins", "pagedlab", "hypothesis"}
+    state = {}
+    for name, module in list(sys.modules.items()):
+        if name.split(".")[0] not in roots or "._" in name or module is None:
             continue
-        found += [m for m in mods if any(m == n or m.startswith(n + ".") for n in names)]
-    return found
+        for attr, value in list(vars(module).items()):
+            if not attr.startswith("_") and (callable(value) or isinstance(value, types.ModuleType)):
+                state[name, attr] = id(value)
+    return state
 
 
 # -- running one job ---------------------------------------------------------------------------
@@ -235,22 +230,19 @@ def _error(exc: BaseException, filenames) -> dict:
     return {"type": type(exc).__name__, "message": message, "where": where}
 
 
-def hidden_checks(assignment: str, dirs: list[str]) -> tuple[list, list[dict]]:
-    """(file, function) of every hidden check for the assignment in the directories, in order,
-    and an error entry for each file that failed to load (so that it fails the grade)."""
+def hidden_checks(assignment: str, sources: list[dict]) -> tuple[list, list[dict]]:
+    """(label, function) of every hidden check in the sources ({"label", "source"}), in order,
+    and an error entry for each source that failed to load (so that it fails the grade)."""
     found, broken = [], []
-    for d in dirs:
-        for path in sorted(Path(d).glob(f"{assignment}*.py")):
-            if path.stem[len(assignment) :][:1].isdigit():  # A1 must not take A10's files
-                continue
-            spec = importlib.util.spec_from_file_location(f"hidden_{path.stem}_{len(found)}", path)
-            module = importlib.util.module_from_spec(spec)
-            try:
-                spec.loader.exec_module(module)
-            except Exception as exc:  # noqa: BLE001 - an instructor's broken file is reported
-                broken.append({"name": f"loading {path}", "task": assignment, "doc": "", "error": _error(exc, set())})
-                continue
-            found += [(str(path), fn) for fn in vars(module).values() if hasattr(fn, "__grade_task__")]
+    for i, item in enumerate(sources):
+        module = types.ModuleType(f"hidden_{i}")
+        try:
+            exec(compile(item["source"], item["label"], "exec"), module.__dict__)
+        except Exception as exc:  # noqa: BLE001 - an instructor's broken file is reported
+            broken.append({"name": f"loading {item['label']}", "task": assignment, "file": item["label"],
+                           "doc": "", "error": _error(exc, set())})
+            continue
+        found += [(item["label"], fn) for fn in vars(module).values() if hasattr(fn, "__grade_task__")]
     return found, broken
 
 
@@ -269,8 +261,7 @@ def _run_cell(cell: dict, job: dict) -> dict:
     filename = f"{CELL_PREFIX}{cell['index']}{': ' + cell['task'] if cell['kind'] == 'solution' else ''}>"
     if cell["kind"] == "solution":
         RUN.solution_files[filename] = cell["task"]
-        for module in imports_of(cell["source"], job["forbid"]):
-            RUN.violations.append({"task": cell["task"], "what": f"imports {module}", "where": ""})
+        state = library_state()
     else:
         RUN.check_files.add(filename)
     before = bindings(namespace, classes) if cell["kind"] == "solution" and classes else {}
@@ -287,6 +278,10 @@ def _run_cell(cell: dict, job: dict) -> dict:
         raise
     except BaseException as exc:  # noqa: BLE001 - a student's error (even exit()) is a result
         result["error"] = _error(exc, set(RUN.solution_files) | RUN.check_files)
+    if cell["kind"] == "solution":
+        after = library_state()
+        for module, attr in sorted(k for k in state if after.get(k, state[k]) != state[k]):
+            RUN.violations.append({"task": cell["task"], "what": f"replaces {module}.{attr}", "where": ""})
     if cell["kind"] == "solution" and classes:
         for name, what in bindings(namespace, classes).items():
             if before.get(name) != what:
@@ -298,7 +293,7 @@ def _run_cell(cell: dict, job: dict) -> dict:
 
 def _finish(job: dict, cells: list[dict]) -> dict:
     """After a job's cells: its hidden checks, and its whole result."""
-    found, hidden = hidden_checks(job["assignment"], job["hidden_dirs"])
+    found, hidden = hidden_checks(job["assignment"], job["hidden"])
     found = [(path, fn) for path, fn in found if not job["only"] or fn.__grade_task__ in job["only"]]
     RUN.check_files.update(path for path, _ in found)
     for path, fn in found:
@@ -317,108 +312,13 @@ def _finish(job: dict, cells: list[dict]) -> dict:
     return {"cells": cells, "hidden": hidden, "violations": RUN.violations}
 
 
-def _key(cell: dict) -> tuple:
-    return cell["index"], cell["kind"], cell["task"], cell["source"]
-
-
-def _run_group(ids: list[int], jobs: list[dict], depth: int, cells: list[dict], parallel: int) -> dict:
-    """Finish jobs that share their first ``depth`` cells, already run in this process.
-
-    While they all share the next cell too, it runs once, here; where they part, each branch
-    continues in a child forked from this state, so submissions that differ in one late cell
-    (tests of the grader) do not repeat the expensive cells before it. Each job's hidden
-    checks run in a process of its own.
-    """
-    while True:
-        ending = [i for i in ids if len(jobs[i]["cells"]) == depth]
-        branches: dict[tuple, list[int]] = {}
-        for i in ids:
-            if i not in ending:
-                branches.setdefault(_key(jobs[i]["cells"][depth]), []).append(i)
-        if ids == ending and len(ids) == 1:
-            return {ids[0]: _finish(jobs[ids[0]], cells)}
-        if ending or len(branches) != 1:
-            break
-        cells = cells + [_run_cell(jobs[ids[0]]["cells"][depth], jobs[ids[0]])]
-        depth += 1
-    work = [(lambda i=i: {i: _finish(jobs[i], cells)}, [i]) for i in ending]
-    work += [(lambda b=b: _run_group(b, jobs, depth + 1, cells + [_run_cell(jobs[b[0]]["cells"][depth], jobs[b[0]])],
-                                     parallel), b) for b in branches.values()]
-    return _fork_all(work, jobs, parallel)
-
-
-def _fork_all(work: list, jobs: list[dict], parallel: int) -> dict:
-    """Run each (function, job ids) in a forked child, ``parallel`` at a time; merge results."""
-    running, results = [], {}
-    for fn, ids in work:
-        if len(running) == parallel:
-            results.update(_collect(*running.pop(0), jobs))
-        read, write = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the child: run, send the result, exit without cleanup
-            os.close(read)
-            try:
-                payload = json.dumps({str(k): v for k, v in fn().items()}).encode()
-            except BaseException as exc:  # noqa: BLE001
-                payload = json.dumps({str(i): {"crash": "".join(traceback.format_exception(exc))} for i in ids}).encode()
-            with os.fdopen(write, "wb") as pipe:
-                pipe.write(payload)
-            os._exit(0)
-        os.close(write)
-        running.append((pid, read, ids))
-    for pid, read, ids in running:
-        results.update(_collect(pid, read, ids, jobs))
-    return results
-
-
-def _collect(pid: int, read: int, ids: list[int], jobs: list[dict]) -> dict:
-    timeout = sum(jobs[i]["timeout"] for i in ids)
-
-    def expire(signum, frame):
-        raise CellTimeout
-
-    signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, timeout)
-    try:
-        with os.fdopen(read, "rb") as pipe:
-            data = pipe.read()
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        _, status = os.waitpid(pid, 0)
-    except CellTimeout:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        return {i: {"crash": f"the submission ran for more than {timeout:g} s and was stopped"} for i in ids}
-    if not data:
-        return {i: {"crash": f"the submission's process died (status {status}) before reporting"} for i in ids}
-    return {int(k): v for k, v in json.loads(data).items()}
-
-
-def serve(jobs: list[dict], preload: list[str], parallel: int = 1) -> list[dict]:
-    """Results of the jobs, each run as if in a fresh process of its own (see _run_group)."""
-    os.environ.setdefault("MPLBACKEND", "Agg")
-    for name in preload:
-        importlib.import_module(name)
-    for job in jobs:
-        _modules(job["forbid"])  # imported once here; trapped in each child
-    if parallel > 1 and "torch" in sys.modules:
-        sys.modules["torch"].set_num_threads(1)  # the children share the cores
-    groups: dict[tuple, list[int]] = {}
-    for i, job in enumerate(jobs):
-        groups.setdefault(tuple(job["forbid"]), []).append(i)
-
-    def start(forbidden, ids):
-        _start(list(forbidden))
-        return _run_group(ids, jobs, 0, [], parallel)
-
-    results = _fork_all([(lambda f=f, ids=ids: start(f, ids), ids) for f, ids in groups.items()], jobs, parallel)
-    return [results[i] for i in range(len(jobs))]
-
-
 def main() -> None:
-    request = json.load(sys.stdin)
+    job = json.load(sys.stdin)
     report = os.fdopen(os.dup(1), "w")
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # output that bypasses sys.stdout goes nowhere
-    report.write(json.dumps(serve(request["jobs"], request["preload"], request["parallel"])))
+    _start(job["forbid"])
+    cells = [_run_cell(cell, job) for cell in job["cells"]]
+    report.write(json.dumps(_finish(job, cells)))
     report.close()
 
 

@@ -16,6 +16,9 @@ def _inputs(lens, heads, head_dim, block_size, seed, layout="random"):
                                block_size=block_size, layout=layout, seed=seed)
 
 
+TOL = 1e-4  # the grader's tolerance for the fp32 kernels (the notebook's setup cell uses the same)
+
+
 def _err(a, b):
     return (a.double() - b.double()).abs().max().item()
 
@@ -55,7 +58,7 @@ def check_decode_kernel_odd_group(nb):
     """The decode kernel with 3 query heads per KV head and width 12 (both padded)."""
     x = _inputs([1, 8, 13], (3, 1), 12, 5, seed=3)
     err = _err(nb.paged_decode(*x.args()), ref.paged_attention(*x.args()))
-    assert err <= nb.TOL, f"heads (3, 1), head_dim 12, block size 5: max error {err:.3g} (allowed {nb.TOL})"
+    assert err <= TOL, f"heads (3, 1), head_dim 12, block size 5: max error {err:.3g} (allowed {TOL})"
 
 
 @task("A4.4")
@@ -75,4 +78,4 @@ def check_merge_any_splits(nb, num_splits, empty, seed):
     expected = (w[..., None] * parts.double()).sum(-2)  # [S, H, D]
     got = nb.merge_splits(parts, lse)
     err = _err(got, expected)
-    assert err <= nb.TOL, f"{num_splits} splits, {empty} empty: max error {err:.3g} (allowed {nb.TOL})"
+    assert err <= TOL, f"{num_splits} splits, {empty} empty: max error {err:.3g} (allowed {TOL})"

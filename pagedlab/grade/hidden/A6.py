@@ -7,8 +7,10 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
+from pagedlab.engine import FCFS, SchedulerConfig
 from pagedlab.grade import task
 from pagedlab.grade.checks import GRADING
+from pagedlab.sim import PagedConfig
 
 
 @task("A6.1")
@@ -29,7 +31,7 @@ def check_audit_flags(nb):
     property holds in both."""
     requests = nb.workload(10.0, duration=3.0, seed=11)
     for blocks, preempted in ((5000, False), (120, True)):
-        config = nb.PagedConfig(num_gpu_blocks=blocks, scheduler=nb.SchedulerConfig(policy=nb.FCFS()))
+        config = PagedConfig(num_gpu_blocks=blocks, scheduler=SchedulerConfig(policy=FCFS()))
         flags = nb.audit(requests, config)
         expected = {"all finished once": True, "full outputs": True, "no block leaked": True, "preempted": preempted}
         assert flags == expected, f"{len(requests)} requests into {blocks} blocks\n    expected: {expected}\n    actual:   {flags}"

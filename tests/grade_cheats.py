@@ -1,0 +1,171 @@
+"""Submissions that try to get marks without the work (issue 25, findings 1-6), as A2 student
+notebooks whose solution cells hold the cheat. Each was seen to get an undeserved grade from the
+grader before the trust boundary; tests/test_grade_trust.py checks the grade each deserves.
+
+The cheats reach the grader as a student would find it: through ``type(sys.stdout)``, frames,
+the package's path on disk and the library's wrapped functions. Files they write get a harmless
+trailing line, so that a cheat that gets through leaves a visible, reversible trace.
+"""
+
+import nbformat
+
+from pagedlab.assignments import make_student
+
+# Finding 1: the cell reaches the worker through stdout's class and replaces its cell runner
+# with one that "prints" the reference's stored outputs, and its hidden checks with no-ops.
+RUNNER = """
+import sys, json, glob
+g = type(sys.stdout).write.__globals__
+root = g['__file__'].rsplit('/pagedlab/', 1)[0]
+ref = json.load(open(glob.glob(root + '/notebooks/solutions/A2_*.ipynb')[0]))
+outs = {i: ''.join(''.join(o.get('text', '')) for o in c.get('outputs', []) if o.get('name') == 'stdout')
+        for i, c in enumerate(ref['cells'], 1)}
+g['_run_cell'] = lambda cell, job: {'index': cell['index'], 'error': None, 'stdout': outs.get(cell['index'], ''),
+                                    'student_stdout': ''}
+real = g['hidden_checks']
+def stub(fn):
+    f = lambda nb: None
+    f.__name__, f.__grade_task__, f.__doc__ = fn.__name__, fn.__grade_task__, fn.__doc__
+    return f
+g['hidden_checks'] = lambda a, d: ([(p, stub(fn)) for p, fn in real(a, d)[0]], [])
+"""
+
+# Finding 1: the worker made to report nothing at all ("0/0 checks" was a pass).
+EMPTY = """
+import sys
+g = type(sys.stdout).write.__globals__
+g['_finish'] = lambda job, cells: {'cells': [], 'hidden': [], 'violations': []}
+"""
+
+# Finding 2: the submission kills the process that started it (before: the whole batch lost).
+KILL_PARENT = """
+import os, signal
+os.kill(os.getppid(), signal.SIGKILL)
+"""
+
+# Finding 3: rewrites the hidden checks (the package's and the instructor's) and the reference
+# on disk, and prints an instructor's private check into its own report.
+TAMPER = """
+import sys, glob
+frame = sys._getframe()
+while 'job' not in frame.f_locals:
+    frame = frame.f_back
+root = frame.f_globals['__file__'].rsplit('/pagedlab/', 1)[0]
+targets = [p for d in frame.f_locals['job']['hidden_dirs'] for p in glob.glob(d + '/A2*.py')]
+for path in targets:
+    if 'instructor' in path:
+        print(open(path).read())
+for path in targets + glob.glob(root + '/notebooks/solutions/A2_*.ipynb'):
+    with open(path, 'a') as f:
+        f.write('\\n')
+"""
+
+# Finding 4: each solution cell executes the reference's own cell, read from the package's
+# notebooks/solutions at grade time. TASK is replaced by the cell's task.
+REFERENCE = """
+import json, glob, os
+import pagedlab
+root = os.path.dirname(os.path.dirname(pagedlab.__file__))
+ref = json.load(open(glob.glob(root + '/notebooks/solutions/A2_*.ipynb')[0]))
+exec(next(''.join(c['source']) for c in ref['cells'] if c['cell_type'] == 'code'
+          and '### BEGIN SOLUTION TASK:' in ''.join(c['source'])), globals())
+"""
+
+# Finding 5: the forbidden BlockAllocator, reached around the trap: its unwrapped methods...
+WRAPPED = """
+class Allocator:
+    def __init__(self, num_blocks):
+        self.lib = object.__new__(BlockAllocator)
+        BlockAllocator.__init__.__wrapped__(self.lib, num_blocks)
+        self.num_blocks = num_blocks
+
+    def allocate(self, n):
+        return BlockAllocator.allocate.__wrapped__(self.lib, n)
+
+    def share(self, blocks):
+        return BlockAllocator.share.__wrapped__(self.lib, blocks)
+
+    def release(self, blocks):
+        return BlockAllocator.release.__wrapped__(self.lib, blocks)
+
+    def refcount(self, b):
+        return BlockAllocator.refcount.__wrapped__(self.lib, b)
+
+    @property
+    def num_free(self):
+        return len(self.lib.free_list)
+
+    @property
+    def refs(self):
+        return [self.refcount(b) for b in range(self.num_blocks)]
+
+    @property
+    def free_list(self):
+        return self.lib.free_list
+"""
+
+# ...code compiled under a setup cell's file name, so the trap takes it for the checks' code...
+SETUP_NAME = """
+exec(compile('''
+class Allocator:
+    def __init__(self, num_blocks):
+        self.lib = BlockAllocator(num_blocks)
+        self.num_blocks = num_blocks
+    def allocate(self, n):
+        return self.lib.allocate(n)
+    def share(self, blocks):
+        return self.lib.share(blocks)
+    def release(self, blocks):
+        return self.lib.release(blocks)
+    def refcount(self, b):
+        return self.lib.refcount(b)
+    num_free = property(lambda self: self.lib.num_free)
+    refs = property(lambda self: [self.lib.refcount(b) for b in range(self.num_blocks)])
+    free_list = property(lambda self: self.lib.free_list)
+''', '<cell 2>', 'exec'), globals())
+"""
+
+# ...and the attribution switched off: the worker forgets which code is the student's.
+UNATTRIBUTED = """
+import sys
+type(sys.stdout).write.__globals__['RUN'].solution_files.clear()
+class Allocator:
+    def __init__(self, num_blocks, lib=BlockAllocator):
+        self.lib = lib(num_blocks)
+        self.num_blocks = num_blocks
+    def allocate(self, n):
+        return self.lib.allocate(n)
+    def share(self, blocks):
+        return self.lib.share(blocks)
+    def release(self, blocks):
+        return self.lib.release(blocks)
+    def refcount(self, b):
+        return self.lib.refcount(b)
+    num_free = property(lambda self: self.lib.num_free)
+    refs = property(lambda self: [self.lib.refcount(b) for b in range(self.num_blocks)])
+    free_list = property(lambda self: self.lib.free_list)
+"""
+
+# Finding 6: library functions the checks use, replaced so that every comparison holds.
+PATCHED_LIBRARY = """
+import torch
+torch.equal = lambda *args, **kwargs: True
+"""
+
+# Finding 6: a builtin the check cells call, shadowed to print whatever the cheat likes.
+SHADOWED_PRINT = """
+def print(*args, **kwargs):
+    pass
+"""
+
+
+def cheat(solution: nbformat.NotebookNode, sources: dict[str, str]) -> nbformat.NotebookNode:
+    """The student copy of ``solution`` with the solution cells of the given tasks replaced
+    (the key "*" for every solution cell; "TASK" in a source becomes the cell's task)."""
+    nb = make_student(solution)
+    for cell in nb.cells:
+        task = cell.get("metadata", {}).get("pagedlab", {}).get("solution")
+        source = sources.get(task, sources.get("*"))
+        if task and source is not None:
+            cell.source = source.replace("TASK", task.split("/")[0])
+    return nb

@@ -1,0 +1,140 @@
+"""The grader's trust boundary (issue 25): the cheats of tests/grade_cheats.py get the grade
+their code deserves, in a batch with an honest neighbour that is graded as when alone, and the
+package, the references and an instructor's checks are byte-identical after grading them."""
+
+import csv
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+import grade_cheats as cheats
+from pagedlab.grade import HIDDEN, grade_many
+from pagedlab.grade.notebook import SOLUTIONS
+
+PACKAGE = HIDDEN.parents[1]
+SECRET = "the instructor writes this line for nobody else"
+
+
+def digest(*dirs: Path) -> dict[str, str]:
+    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest()
+            for d in dirs for p in sorted(d.rglob("*")) if p.is_file() and "__pycache__" not in p.parts}
+
+
+def nothing_earned(report) -> bool:
+    """0 for every task, counted against every check of the assignment (never '0/0')."""
+    return (not report.passed and report.tasks and all(not t.ok for t in report.tasks)
+            and sum(t.passed + t.hidden_passed for t in report.tasks) == 0
+            and sum(t.checks for t in report.tasks) >= 15)
+
+
+def flagged(report, task) -> bool:
+    t = report.task(task)
+    return not t.ok and bool(t.library_use or t.refused)
+
+
+@pytest.mark.slow
+def test_cheats_get_what_their_code_deserves_and_touch_nothing(tmp_path):
+    solution = nbformat.read(next(SOLUTIONS.glob("A2_*.ipynb")), as_version=4)
+    instructor = tmp_path / "instructor"
+    instructor.mkdir()
+    (instructor / "A2_private.py").write_text(
+        "from pagedlab.grade import task\n\n\n"
+        "@task('A2.1')\n"
+        "def check_private(nb):\n"
+        "    'A fresh pool of 3 has 3 free blocks.'\n"
+        f"    assert nb.Allocator(3).num_free == 3  # {SECRET}\n"
+    )
+    cases = {  # label: (notebook, what its report must satisfy)
+        "runner replaced": (cheats.cheat(solution, {"A2.1": cheats.RUNNER}), nothing_earned),
+        "no results": (cheats.cheat(solution, {"A2.1": cheats.EMPTY}), nothing_earned),
+        "kills its parent": (cheats.cheat(solution, {"A2.1": cheats.KILL_PARENT}), nothing_earned),
+        "tampers with files": (cheats.cheat(solution, {"A2.1": cheats.TAMPER}),
+                               lambda r: nothing_earned(r) and SECRET not in r.text() and SECRET not in str(r.as_dict())),
+        "runs the reference": (cheats.cheat(solution, {"*": cheats.REFERENCE}), nothing_earned),
+        "unwrapped library": (cheats.cheat(solution, {"A2.1": cheats.WRAPPED}), lambda r: flagged(r, "A2.1")),
+        "compiled as setup": (cheats.cheat(solution, {"A2.1": cheats.SETUP_NAME}), lambda r: flagged(r, "A2.1")),
+        "attribution off": (cheats.cheat(solution, {"A2.1": cheats.UNATTRIBUTED}), lambda r: flagged(r, "A2.1")),
+        "honest neighbour": (solution, lambda r: r.passed),
+    }
+    paths = []
+    for i, (label, (nb, _)) in enumerate(cases.items()):
+        paths.append(tmp_path / f"A2_{i}.ipynb")
+        nbformat.write(nb, paths[-1])
+    before = digest(PACKAGE, SOLUTIONS, instructor)
+    reports = grade_many(paths, extra_checks=[instructor])
+    after = digest(PACKAGE, SOLUTIONS, instructor)
+    changed = [p for p in before if before[p] != after.get(p)]
+    assert not changed, f"grading changed {changed}"
+    wrong = [f"{label}:\n{r.text()}" for (label, (_, must)), r in zip(cases.items(), reports) if not must(r)]
+    assert not wrong, "\n\n".join(wrong)
+
+
+@pytest.mark.slow
+def test_a_batch_grades_every_readable_file_and_gives_the_others_a_row(tmp_path):
+    """Finding 7: a truncated file, metadata naming an unknown assignment, and an A1 notebook
+    saved under A2's name each get a row of their own; the readable neighbour is graded."""
+    a1 = next(SOLUTIONS.glob("A1_*.ipynb"))
+    batch = tmp_path / "batch"
+    batch.mkdir()
+    (batch / "A1_good.ipynb").write_bytes(a1.read_bytes())
+    (batch / "A1_truncated.ipynb").write_bytes(a1.read_bytes()[:5000])
+    unknown = nbformat.read(a1, as_version=4)
+    unknown.metadata["pagedlab"]["assignment"] = "A9"
+    nbformat.write(unknown, batch / "A1_unknown.ipynb")
+    (batch / "A2_actually_A1.ipynb").write_bytes(a1.read_bytes())
+    gradebook, report = tmp_path / "grades.csv", tmp_path / "grades.json"
+    done = subprocess.run([sys.executable, "-m", "pagedlab.grade", str(batch), "--task", "A1.1", "--csv", str(gradebook),
+                           "--json", str(report)], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 1, done.stdout + done.stderr
+    rows = {row["notebook"]: row for row in csv.DictReader(gradebook.open())}
+    assert sorted(rows) == ["A1_good.ipynb", "A1_truncated.ipynb", "A1_unknown.ipynb", "A2_actually_A1.ipynb"]
+    assert rows["A1_good.ipynb"]["status"] == "passed" and rows["A1_good.ipynb"]["checks passed"] != "0"
+    assert rows["A1_truncated.ipynb"]["status"] == "refused" and "unreadable" in rows["A1_truncated.ipynb"]["why"]
+    assert "the notebook is A9's" in rows["A1_unknown.ipynb"]["why"]
+    assert "the file name says A2 but the notebook is A1's" in rows["A2_actually_A1.ipynb"]["why"]
+    assert len(json.loads(report.read_text())) == 4
+
+
+@pytest.mark.slow
+def test_a_course_handed_out_as_a_wheel_is_graded_outside_the_repository(tmp_path):
+    """Deliver 6: the instructors' section of notebooks/README.md, followed from a wheel, in a
+    directory with no checkout: the references come from --solutions, and without it the
+    grader says so."""
+    source = tmp_path / "source"  # a copy: building in the checkout would leave build/ there
+    shutil.copytree(PACKAGE, source / "pagedlab", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(PACKAGE.parent / name, source / name)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(tmp_path / "wheel")], check=True, timeout=600)
+    (wheel,) = (tmp_path / "wheel").glob("pagedlab-*.whl")
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)],
+                   check=True, timeout=600)
+    course = tmp_path / "course"
+    shutil.copytree(SOLUTIONS, course / "solutions")
+    shutil.copy(SOLUTIONS.parent / "sanitize.cfg", course / "sanitize.cfg")
+    grading = tmp_path / "grading"
+    grading.mkdir()
+    shutil.copy(next(SOLUTIONS.glob("A1_*.ipynb")), grading / "A1_mine.ipynb")
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    where = subprocess.run([sys.executable, "-c", "import pagedlab; print(pagedlab.__file__)"], cwd=grading, env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert where.stdout.startswith(str(site)), where.stdout + where.stderr
+
+    def grade(*extra):
+        return subprocess.run([sys.executable, "-m", "pagedlab.grade", "A1_mine.ipynb", "--task", "A1.1", *extra],
+                              cwd=grading, env=env, capture_output=True, text=True, timeout=900)
+
+    without = grade()
+    assert without.returncode == 1 and "no reference for assignment A1" in without.stdout
+    assert "--solutions" in without.stdout
+    done = grade("--solutions", str(course / "solutions"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.strip().splitlines()[-1].startswith("A1 (A1_mine.ipynb): 1/1 tasks passed")
