@@ -18,6 +18,7 @@ import json
 import ast
 import re
 import sys
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -102,14 +103,35 @@ def author_year(entry) -> tuple[str, str]:
     return names, entry.fields.get("year", "n.d.")
 
 
+def sort_key(entry) -> tuple[str, str, str]:
+    """Where an entry stands in the bibliography: by names (case and braces ignored), year,
+    title."""
+    names, year = author_year(entry)
+    return names.casefold(), year, entry.fields.get("title", "").casefold()
+
+
+def labelled(entries) -> list[tuple[str, str]]:
+    """The (names, year) each of ``entries``, in bibliography order, is cited by: equal pairs
+    get suffixes in that order (Smith, 2020a and Smith, 2020b), so a citation names one entry."""
+    pairs = [author_year(e) for e in entries]
+    count, seen = Counter(pairs), Counter()
+    out = []
+    for names, year in pairs:
+        seen[names, year] += 1
+        suffix = chr(ord("a") + seen[names, year] - 1) if count[names, year] > 1 else ""
+        out.append((names, year + suffix))
+    return out
+
+
 def load_references(bib: Path = ROOT / "book" / "references.bib") -> dict[str, Reference]:
     from pybtex.database import parse_file
 
+    entries = sorted(parse_file(str(bib)).entries.values(), key=sort_key)
     refs = {}
-    for key, entry in parse_file(str(bib)).entries.items():
+    for entry, (names, year) in zip(entries, labelled(entries)):
         doi = entry.fields.get("doi")
         url = entry.fields.get("url") or (f"https://doi.org/{doi}" if doi else None)
-        refs[key] = Reference(*author_year(entry), url)
+        refs[entry.key] = Reference(names, year, url)
     return refs
 
 

@@ -174,5 +174,10 @@ def test_bibliography_is_author_year_and_sorted_without_regard_to_case():
     names = [e.label.rsplit(",", 1)[0].casefold() for e in entries]
     assert names == sorted(names), names
     assert len(set(labels.values())) == len(labels), "equal author-year labels need a, b"
+    assert labels["vllm_v1_rejection_sampler"].startswith("vLLM Team, 2025")  # one of many
+    refs = colab.load_references()  # the Colab copies cite by the same labels
+    assert {k: f"{r.authors}, {r.year}" for k, r in refs.items()} == labels
+    config = yaml.safe_load((ROOT / "_config.yml").read_text())["sphinx"]["config"]
+    assert config["bibtex_reference_style"] == "label"  # the text cites by these labels
     texts = [e.text.render_as("text") for e in entries]
     assert not [t for t in texts if "$" in t or "\\" in t], "raw TeX in the bibliography"

@@ -1,33 +1,29 @@
 """The bibliography's pybtex style: author-year labels, as the text cites, sorted by author.
 
 pybtex's own styles label entries alpha-style ([KLZ+23]) and sort braced names such as
-``{NVIDIA}`` after Z; this one labels "Kwon et al., 2023" (the names the Colab copies cite
-with, :func:`pagedlab.colab.author_year`) and sorts on those names, case and braces ignored.
+``{NVIDIA}`` after Z; this one labels "Kwon et al., 2023" and "vLLM Team, 2025a" (the labels
+the Colab copies cite with, :func:`pagedlab.colab.labelled`) and sorts on those names, case and
+braces ignored. The text cites by these labels (``bibtex_reference_style: label`` in
+``_config.yml``), so a citation names one entry even where authors and year repeat.
 """
-
-from collections import Counter
 
 from pybtex.plugin import register_plugin
 from pybtex.style.formatting.unsrt import Style as UnsrtStyle
 from pybtex.style.labels import BaseLabelStyle
 from pybtex.style.sorting import BaseSortingStyle
 
-from pagedlab.colab import author_year
+from pagedlab.colab import labelled, sort_key
 
 
 class AuthorYearLabels(BaseLabelStyle):
     def format_labels(self, sorted_entries):
-        labels = [", ".join(author_year(e)) for e in sorted_entries]
-        count, seen = Counter(labels), Counter()
-        for label in labels:  # Smith, 2020a and Smith, 2020b
-            seen[label] += 1
-            yield label + (chr(ord("a") + seen[label] - 1) if count[label] > 1 else "")
+        for names, year in labelled(sorted_entries):
+            yield f"{names}, {year}"
 
 
 class AuthorYearSorting(BaseSortingStyle):
     def sorting_key(self, entry):
-        names, year = author_year(entry)
-        return names.casefold(), year, entry.fields.get("title", "").casefold()
+        return sort_key(entry)
 
 
 class AuthorYearStyle(UnsrtStyle):
