@@ -128,6 +128,20 @@ def summarize(records: list[RequestRecord], duration: float, slo: dict[str, floa
     }
 
 
+def simulated_records(requests, result) -> list[RequestRecord]:
+    """The records a streaming client would have kept of a simulated run: sent at its arrival,
+    a chunk at the end of each step that gave it tokens, done with its last. ``result`` comes
+    from :func:`~pagedlab.sim.simulate_paged` with ``PagedConfig(record_token_times=True)``,
+    so the simulator's prediction prints in the benchmark's table."""
+    if result.token_times is None:
+        raise ValueError("the simulation kept no token times: run it with "
+                         "PagedConfig(record_token_times=True)")
+    return [RequestRecord(r.prompt_len, int(out), sent=float(sent), chunk_times=list(times),
+                          done=float(done), output_tokens=int(out))
+            for r, sent, times, done, out in zip(requests, result.arrival, result.token_times,
+                                                 result.finish, result.output_len)]
+
+
 def arrival_offsets(n: int, rate: float, burstiness: float = 1.0,
                     rng: np.random.Generator | None = None) -> np.ndarray:
     """When to send each of ``n`` requests, in seconds from the first (which goes at 0).

@@ -88,3 +88,31 @@ def test_arrivals_have_the_rate_and_the_burstiness_asked_for():
         arrival_offsets(3, 0.0)
     with pytest.raises(ValueError, match="burstiness"):
         arrival_offsets(3, 1.0, burstiness=0)
+
+
+def test_a_simulated_run_prints_in_the_benchmarks_terms():
+    """The simulator's prediction as a client would have measured it: TTFT from arrival to the
+    first token, TPOT over the tokens after it, a chunk per step (several tokens per chunk
+    under speculation, the TPOT still per token)."""
+    from pagedlab.engine import SchedulerConfig
+    from pagedlab.serving_metrics import simulated_records, summarize
+    from pagedlab.sim import CostModel, PagedConfig, Request, simulate_paged
+
+    requests = [Request(i, 0.05 * i, 100 + 10 * i, 20 + i) for i in range(6)]
+    cost = CostModel("Llama-3-8B", "A100-80GB")
+    plain = simulate_paged(requests, cost, PagedConfig(record_token_times=True))
+    records = simulated_records(requests, plain)
+    assert [len(r.chunk_times) for r in records] == [r.output_len for r in requests]
+    assert [r.ttft for r in records] == pytest.approx(plain.first_token - plain.arrival)
+    assert [r.tpot for r in records] == pytest.approx(
+        (plain.finish - plain.first_token) / (plain.output_len - 1))
+    table = summarize(records, float(plain.finish.max() - plain.arrival.min()))
+    assert table["completed"] == 6 and table["total_output_tokens"] == sum(
+        r.output_len for r in requests)
+    spec = SchedulerConfig(speculative_config={"num_speculative_tokens": 3})
+    fast = simulate_paged(requests, cost, PagedConfig(scheduler=spec, acceptance_rate=1.0,
+                                                      record_token_times=True))
+    chunks = [len(r.chunk_times) for r in simulated_records(requests, fast)]
+    assert all(c < r.output_len for c, r in zip(chunks, requests))  # 4 tokens a chunk
+    with pytest.raises(ValueError, match="record_token_times"):
+        simulated_records(requests, simulate_paged(requests, cost))

@@ -155,6 +155,9 @@ class SimResult:
     output_len: np.ndarray | None = None  # [requests] tokens generated
     blocks_swapped: int = 0  # blocks moved between GPU and CPU, both ways (paging, swap mode)
     swap_seconds: float = 0.0  # of the total time, spent swapping over PCIe
+    # [requests] seconds at the end of each step that gave the request tokens (paging, when
+    # PagedConfig.record_token_times): what a streaming client would see as its chunks
+    token_times: list[list[float]] | None = None
 
     @property
     def normalized_latency(self) -> float:

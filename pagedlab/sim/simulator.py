@@ -85,6 +85,7 @@ class PagedConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     n: int = 1  # parallel samples per request
     acceptance_rate: float = 0.0  # of each speculative proposal (scheduler.speculative_config)
+    record_token_times: bool = False  # keep when each step gave each request tokens
 
 
 def simulate_paged(
@@ -112,6 +113,7 @@ def simulate_paged(
               for r in requests}
     pending = sorted(requests, key=lambda r: (r.arrival, r.id))
     first, finish = {}, {}  # request id -> seconds of its first and last token
+    token_times = {r.id: [] for r in requests} if config.record_token_times else None
     times, durations, batch, waiting, used, stored = [], [], [], [], [], []
     now, nxt, preemptions, swapped, swap_seconds = 0.0, 0, 0, 0, 0.0
 
@@ -141,6 +143,8 @@ def simulate_paged(
         now += ran.seconds + ran.swap_seconds  # the copies run before the forward pass
         for group in step.sampled_groups:
             first.setdefault(group.request_id, now)
+            if token_times is not None:
+                token_times[group.request_id].append(now)
         for group in finished:
             finish[group.request_id] = now
 
@@ -164,6 +168,7 @@ def simulate_paged(
         first_token=np.array([first[r.id] for r in requests]),
         output_len=np.array([r.output_len * config.n for r in requests]),
         blocks_swapped=swapped,
+        token_times=None if token_times is None else [token_times[r.id] for r in requests],
         swap_seconds=swap_seconds,
     )
 
