@@ -65,15 +65,20 @@ def _run(nb, case, append, roll_back, cacheable):
     rng, token, log = random.Random(seed * 1000 + num_ops * 10 + bs), 0, []
     lib = KVCacheManager(size, bs)  # blocks and free list, exactly
     cached = KVCacheManager(size, bs, enable_prefix_caching=True)  # what may be cached, and refusals
-    pool, mine = nb.Pool(size), {}
+    pool, mine, verified = nb.Pool(size), {}, {}  # verified: each sequence's num_verified, as it must be
 
-    def compare(what):
-        op = f"{what} (case: pool of {size} blocks of {bs} tokens, up to {k_max} proposals; the operations so far: " \
-             f"{'; '.join(log)})"
+    def at():
+        """The last operation, the case and the operations that led to it."""
+        return (f"{log[-1]} (case: a pool of {size} blocks of {bs} tokens, up to {k_max} proposals; "
+                f"the operations so far: {'; '.join(log)})")
+
+    def compare():
+        op = at()
         for sid in sorted(mine):
             t = mine[sid]
             expect(len(log), op, f"{sid}'s blocks", lib.block_table(sid), plain(t.blocks))
             expect(len(log), op, f"{sid}'s number of tokens", lib.num_tokens(sid), len(t.token_ids))
+            expect(len(log), op, f"{sid}'s num_verified", verified[sid], t.num_verified)
             expected = [b for b, c in zip(t.blocks, cached.block_table(sid)) if cached.prefix_cache.tokens_of(c) is not None]
             expect(len(log), op, f"cacheable_blocks of {sid}", expected, plain(list(cacheable(t))))
         expect(len(log), op, "the pool's free list", lib.gpu._free, plain(pool.free_list))
@@ -89,18 +94,21 @@ def _run(nb, case, append, roll_back, cacheable):
                 cached.allocate(sid, tokens)
                 mine[sid] = nb.Table(pool, bs)
                 _append(mine[sid], tokens)
+                verified[sid] = n
         elif kind == "fork":
             parent, sid = rng.choice(sorted(mine)), f"s{len(log)}"
             log.append(f"fork {parent} as {sid}")
             lib.fork(parent, sid)
             cached.fork(parent, sid)
             mine[sid] = mine[parent].fork()
+            verified[sid] = verified[parent]
         elif kind == "free":
             sid = rng.choice(sorted(mine))
             log.append(f"free {sid}")
             lib.free(sid)
             cached.free(sid)
             mine.pop(sid).free()
+            del verified[sid]
         elif kind == "cut":  # a cut the library may refuse: the student's must agree
             sid = rng.choice(sorted(mine))
             keep = rng.randint(0, lib.num_tokens(sid) + 1)
@@ -108,12 +116,13 @@ def _run(nb, case, append, roll_back, cacheable):
             exp = outcome(lambda: cached.truncate(sid, keep))
             before = (mine[sid].blocks.copy(), len(mine[sid].token_ids), pool.free_list.copy())
             got = outcome(lambda: roll_back(mine[sid], keep))
-            expect(len(log), log[-1], "roll_back succeeded (not ValueError)", exp[0], got[0])
+            expect(len(log), at(), "roll_back succeeded (not ValueError)", exp[0], got[0])
             if exp[0] == "ok":
                 lib.truncate(sid, keep)
-                expect(len(log), log[-1], "blocks returned", before[0][-(-keep // bs):][::-1], plain(got[1]))
+                verified[sid] = keep
+                expect(len(log), at(), "blocks returned", before[0][-(-keep // bs):][::-1], plain(list(got[1])))
             else:
-                expect(len(log), log[-1], "table and free list after a refused cut", before,
+                expect(len(log), at(), "table and free list after a refused cut", before,
                        (plain(mine[sid].blocks), len(mine[sid].token_ids), plain(pool.free_list)))
         else:  # a verification step: every chosen sequence proposes, then each keeps a prefix
             proposed = []
@@ -123,15 +132,16 @@ def _run(nb, case, append, roll_back, cacheable):
                 log.append(f"{sid}: the pending token and {k} proposals")
                 exp = outcome(lambda: lib.append(sid, tokens, num_speculative=k))
                 got = outcome(lambda: append(mine[sid], tokens, k))
-                expect(len(log), log[-1], "append succeeded (not OutOfBlocks)", exp[0], got[0])
+                expect(len(log), at(), "append succeeded (not OutOfBlocks)", exp[0], got[0])
                 if exp[0] == "ok":
                     cached.append(sid, tokens, num_speculative=k)
                     copies = lib.take_copies()
                     cached.take_copies()
-                    expect(len(log), log[-1], "the copy returned", copies[0] if copies else None,
+                    expect(len(log), at(), "the copy returned", copies[0] if copies else None,
                            None if got[1] is None else tuple(plain(list(got[1]))))
                     proposed.append((sid, k))
-                compare(log[-1])
+                    verified[sid] = lib.num_tokens(sid) - k
+                compare()
             for sid, k in proposed:
                 accepted = rng.choice([0, k, rng.randint(0, k)])
                 keep = lib.num_tokens(sid) - k + accepted
@@ -139,13 +149,14 @@ def _run(nb, case, append, roll_back, cacheable):
                 before = mine[sid].blocks.copy()
                 lib.truncate(sid, keep)
                 cached.truncate(sid, keep)
+                verified[sid] = keep
                 got = outcome(lambda: roll_back(mine[sid], keep))
-                expect(len(log), log[-1], "roll_back succeeded", "ok", got[0])
-                expect(len(log), log[-1], "blocks returned (released, last first)",
+                expect(len(log), at(), "roll_back succeeded", "ok", got[0])
+                expect(len(log), at(), "blocks returned (released, last first)",
                        before[-(-keep // bs):][::-1], plain(list(got[1])))
-                compare(log[-1])
+                compare()
             continue
-        compare(log[-1])
+        compare()
 
 
 def _fuzz(nb, **functions):
