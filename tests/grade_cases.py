@@ -106,6 +106,19 @@ BROKEN = {
         "audit always reports preemption": ("A6.3", "\"preempted\": result.preemptions > 0,", "\"preempted\": True,"),
         "longest fifth, not tenth": ("A6.4", "np.quantile(prompt_lens, 0.9)", "np.quantile(prompt_lens, 0.8)"),
     },
+    "A7": {
+        "rollback keeps an emptied block": ("A7.2", "keep = -(-num_tokens // bs)\n", "keep = -(-num_tokens // bs) + (num_tokens < n)\n    keep = min(keep, len(table.blocks))\n"),
+        "rollback releases head first": ("A7.2", "released = table.blocks[keep:][::-1]", "released = table.blocks[keep:]"),
+        "rollback cuts a full verified block": ("A7.2", "low = max(1, table.num_verified // bs * bs)", "low = 1"),
+        "rollback leaves the kept proposals unverified": ("A7.2", "    table.num_verified = num_tokens\n", ""),
+        "caches a block holding a rejected token": ("A7.3", "return table.blocks[: table.num_verified // table.block_size]",
+                                                    "return table.blocks[: len(table.token_ids) // table.block_size]"),
+        "caches the partly filled block": ("A7.3", "return table.blocks[: table.num_verified // table.block_size]",
+                                           "return table.blocks[: -(-table.num_verified // table.block_size)]"),
+        "proposals counted as verified": ("A7.1", "table.num_verified = len(table.token_ids) - num_speculative", "table.num_verified = len(table.token_ids)"),
+        "proposal writes into a shared block": ("A7.1", "shared = n % bs != 0 and pool.refcount(table.blocks[-1]) > 1", "shared = False"),
+        "copy takes the first block handed out": ("A7.1", "copy = (table.blocks[-1], new.pop())", "copy = (table.blocks[-1], new.pop(0))"),
+    },
 }
 
 CORRECT = {
@@ -162,6 +175,15 @@ CORRECT = {
              "\"full outputs\": min([lengths.get(r.id) == r.output_len for r in requests]),"),
         ],
     },
+    "A7": {
+        "released blocks gathered in a loop, full blocks by a comprehension, and prints": [
+            ("    released = table.blocks[keep:][::-1]\n    table.pool.release(released)\n",
+             "    released = []\n    for b in reversed(table.blocks[keep:]):\n        released.append(b)\n"
+             "    print('releasing', released)  # never graded\n    table.pool.release(released)\n"),
+            ("return table.blocks[: table.num_verified // table.block_size]",
+             "full = [b for i, b in enumerate(table.blocks) if (i + 1) * table.block_size <= table.num_verified]\n    return full"),
+        ],
+    },
 }
 
 FORBIDDEN = {
@@ -172,4 +194,5 @@ FORBIDDEN = {
     "A4": ("A4.1a", "    return cache[blocks, t % block_size]  # [seq_len, num_kv_heads, head_dim]", "    return ref.gather_kv(cache, block_table, seq_len)"),
     "A5": ("A5.4", "    manager = KVCacheManager(num_gpu_blocks, block_size, num_cpu_blocks)\n",
            "    from pagedlab.engine import Scheduler  # forbidden: the reference\n    manager = KVCacheManager(num_gpu_blocks, block_size, num_cpu_blocks)\n"),
+    "A7": ("A7.2", "    table.pool.release(released)\n", "    table.pool.release(released)\n    KVCacheManager(1, 1)  # forbidden: the reference\n"),
 }
