@@ -149,7 +149,9 @@ class KVCacheManager:
 
     def room(self, seq_id: Hashable) -> int:
         """Tokens running ``seq_id`` can append now: the rest of its last block and every free
-        block (a shared last block would take one of those for its copy)."""
+        block. A shared, partly filled last block would first take one free block for its copy,
+        which this count does not subtract: the scheduler asks after the decode's own token has
+        made the last block private."""
         return -self.num_tokens(seq_id) % self.block_size + self.gpu.num_free * self.block_size
 
     def blocks_to_append(self, seq_ids: Sequence[Hashable]) -> int:
