@@ -294,3 +294,30 @@ def test_misuse_names_the_sequence_and_changes_nothing():
 def test_the_constructor_checks_its_sizes(kwargs, field):
     with pytest.raises(ValueError, match=field):
         manager(**kwargs)
+
+
+def test_allocate_shared_holds_the_shared_blocks_once_and_the_rest_apiece():
+    """Three sequences sharing a 10-token prompt's two full blocks (block size 4), each with
+    its own tail: the two blocks once, with three holders; each tail in blocks of its own."""
+    m = KVCacheManager(num_gpu_blocks=16, block_size=4)
+    prompt = list(range(10))
+    tokens = [prompt + [90, 91], prompt + [80, 81, 82], prompt + [70]]
+    starts = m.allocate_shared(["a", "b", "c"], tokens, shared=8)
+    assert starts == [0, 8, 8]
+    tails = sum(-(-(len(t) - 8) // 4) for t in tokens)  # ceil over each tail
+    assert m.num_used_blocks == 2 + tails == m.blocks_for(8) + tails
+    tables = [m.block_table(s) for s in "abc"]
+    assert tables[0][:2] == tables[1][:2] == tables[2][:2]
+    assert [m.gpu.refcount(b) for b in tables[0][:2]] == [3, 3]
+    assert len({tuple(t[2:]) for t in tables}) == 3  # tails not shared
+    assert [m.token_ids(s) for s in "abc"] == tokens
+    m.check_invariants()
+
+
+def test_allocate_shared_refuses_a_part_block_and_without_sharing_allocates_each():
+    m = KVCacheManager(num_gpu_blocks=16, block_size=4)
+    with pytest.raises(ValueError, match="whole blocks of 4"):
+        m.allocate_shared(["a", "b"], [[1] * 9, [1] * 9], shared=6)
+    assert m.num_used_blocks == 0
+    assert m.allocate_shared(["a", "b"], [[1] * 9, [2] * 5], shared=0) == [0, 0]
+    assert m.num_used_blocks == m.blocks_for(9) + m.blocks_for(5) == 5

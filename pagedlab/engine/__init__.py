@@ -1,7 +1,7 @@
 """A small serving engine on the paged KV cache, with vLLM's user API (chapters 6 and 8).
 
 ``sequence`` (requests as sequence groups), ``step`` (what a step is, what an executor returns,
-and the loop body engine and simulator share), ``scheduler`` (continuous batching, preemption
+and the loop body engine and simulator share), ``scheduler_config`` (its limits) and ``scheduler`` (continuous batching, preemption
 by recomputation or swapping; no tensors, so the simulator drives it too), ``policy`` (the order
 the scheduler serves and preempts in: FCFS, priority, or your own), ``sampling`` and
 ``beams`` (choosing tokens; parallel samples and beams by fork and copy-on-write),
@@ -38,7 +38,7 @@ _EXPORTS = {
     "Sampler": "sampling",
     "SamplingParams": "sampling",
     "Scheduler": "scheduler",
-    "SchedulerConfig": "scheduler",
+    "SchedulerConfig": "scheduler_config",
     "Sequence": "sequence",
     "SequenceGroup": "sequence",
     "SequenceOutput": "sequence",

@@ -1,50 +1,47 @@
 """Continuous batching with preemption, over the paged KV cache (chapter 6).
 
-The scheduler decides; it never touches a tensor. Each :meth:`Scheduler.schedule` forms one
-step's batch and updates the :class:`~pagedlab.memory.KVCacheManager` to match; whoever runs
-the step (the model runner, or the simulator's cost model) then reports the sampled tokens to
+The scheduler decides; it never touches a tensor. :meth:`Scheduler.schedule` forms one step's
+batch and updates the :class:`~pagedlab.memory.KVCacheManager` to match; whoever runs the step
+(the model runner, or the simulator's cost model) reports the sampled tokens to
 :meth:`Scheduler.update`. The rules are the paper's (Kwon et al. 2023, section 4.5) with vLLM
-V1's chunked prefill (rule 2; vllm/v1/core/sched/scheduler.py at v0.11.0); the order of service is a :class:`~pagedlab.engine.policy.Policy`'s (``SchedulerConfig.policy``),
-first come first served (:class:`~pagedlab.engine.policy.FCFS`) unless another is given:
+V1's chunked prefill (rule 2; vllm/v1/core/sched/scheduler.py at v0.11.0), in the order of a
+:class:`~pagedlab.engine.policy.Policy` (``SchedulerConfig.policy``; first come first served
+unless another is given):
 
 1. Running groups decode one token per sequence, in the policy's order. When the blocks run
-   out, the last running group in that order (under FCFS the latest arrival) is preempted,
-   all of its sequences at once: by *recomputation* (its blocks are freed; it goes back to the
-   head of the waiting queue to prefill its prompt and generated tokens again) or by
-   *swapping* (its blocks move to the CPU pool; a group still prefilling is recomputed).
-2. With chunked prefill (the default, as vLLM V1), every step has one token budget,
-   ``max_num_batched_tokens``: decodes take their token each first; a running group whose
-   prompt is partly prefilled (there is at most one) then takes its next chunk, as big as
-   the budget and the free blocks allow; new requests are admitted with a first chunk cut to
-   what is left. A chunk that ends its sequence's tokens samples the next one; the others
-   only fill the cache.
-   Blocks are allocated chunk by chunk, and prefix-cache hits are not computed at all.
-   Without chunking (``chunked_prefill=False``: the paper's, vLLM V0's rule) a prompt is
-   prefilled whole; one bigger than what is left of the budget waits, and one bigger than
-   the whole budget runs in a step of its own.
+   out, the policy's last running group (under FCFS the latest arrival) is preempted, all its
+   sequences at once: by *recomputation* (its blocks freed, it goes back to the head of the
+   waiting queue to prefill its prompt and outputs again) or by *swapping* (its blocks move
+   to the CPU pool; a group still prefilling is recomputed).
+2. With chunked prefill (the default, as V1) a step has one token budget,
+   ``max_num_batched_tokens``: decodes take their token each first; the one running group
+   whose prompt is partly prefilled takes its next chunk, as big as the budget and the free
+   blocks allow; new requests are admitted with a first chunk cut to what is left. Only a
+   chunk that ends its sequence's tokens samples. Blocks are allocated chunk by chunk, and
+   prefix-cache hits are not computed. Without chunking (the paper's rule, V0's) a prompt
+   is prefilled whole: one bigger than what is left waits, one bigger than the budget runs
+   alone.
 3. In a step that preempted nothing, swapped groups come back in the policy's order while
-   the GPU has room for their blocks and their next decode, above the watermark, and the
-   budget for their decodes' tokens.
+   the GPU has room for their blocks and next decode above the watermark, and the budget
+   for their decodes.
 4. While any group is swapped out, or in a step that preempted, nothing is admitted.
    Otherwise waiting groups (under FCFS preempted ones first: they arrived earlier) are
    admitted in the policy's order, the first that does not fit stopping the queue, while
-   the budget lasts, their seats fit ``max_num_seqs``, and the GPU keeps a watermark of
-   free blocks (a policy that keeps ranking a request last can starve it; FCFS cannot).
-5. A group preempted by recomputation after it forked (parallel samples, beams) computes its
-   shared prompt once when it comes back, in one unchunked step: one sequence prefills the
-   prompt's full blocks, the others fork them and prefill only their own tokens (vLLM V0
-   refused to recompute such groups and required swapping; V1 has no such groups: it runs
-   each sample as a request of its own).
-6. A request that can never run, because the whole cache is too small for it, fails alone:
-   it finishes with a :class:`CacheTooSmall` error of its own and its blocks are freed; the
-   other requests go on.
+   the budget lasts, their seats fit ``max_num_seqs`` and a watermark of blocks stays free
+   (a policy that keeps ranking a request last can starve it; FCFS cannot).
+5. A group recomputed after it forked (parallel samples, beams) computes its shared prompt
+   once, unchunked: one sequence prefills the prompt's full blocks, the others fork them and
+   prefill their own tokens (V0 refused to recompute such groups; V1 has none: each sample
+   is a request of its own).
+6. A request that can never run, the whole cache being too small for it, fails alone with a
+   :class:`CacheTooSmall` error; its blocks are freed and the others go on.
 7. With speculative decoding (``speculative_config``), once every running group has its
-   token, decodes take proposals while the budget and the free blocks last; their slots are
-   reserved unverified and :meth:`Scheduler.update` truncates each sequence to what the
-   verification accepted, so no proposal outlives its step (chapter 12).
+   token, decodes take proposals while the budget and the free blocks last; :meth:`update`
+   truncates each sequence to what verification accepted, so no proposal outlives its step
+   (chapter 12).
 
-Order within a step, as the manager requires: preempting comes before appending to a group,
-and a step's copies run swap first, then copy-on-write, then the forward pass.
+Within a step, preempting comes before appending to a group, and a step's copies run swap
+first, then copy-on-write, then the forward pass.
 """
 
 from __future__ import annotations
@@ -52,19 +49,17 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from dataclasses import dataclass
 
-from pagedlab._arith import cdiv
-from pagedlab._checks import check_positive
 from pagedlab.engine.beams import BeamSearchParams
-from pagedlab.engine.policy import FCFS, Policy, enqueue, ranked
+from pagedlab.engine.policy import enqueue, ranked
+from pagedlab.engine.scheduler_config import PREEMPTION_MODES, SchedulerConfig
 from pagedlab.engine.sequence import GroupOutput, GroupStatus, Sequence, SequenceGroup
-from pagedlab.engine.speculative import SpecDecodingStats, SpeculativeConfig
-from pagedlab.engine.stats import StepStats
+from pagedlab.engine.speculative import SpecDecodingStats
 from pagedlab.engine.step import Chunk, Step
 from pagedlab.memory import KVCacheManager
 
-PREEMPTION_MODES = ("recompute", "swap")
+__all__ = ["PREEMPTION_MODES", "CacheTooSmall", "Scheduler", "SchedulerConfig",
+           "TooManySequences"]
 
 
 class CacheTooSmall(RuntimeError):
@@ -73,64 +68,6 @@ class CacheTooSmall(RuntimeError):
 
 class TooManySequences(ValueError):
     """A request runs more sequences at once (``n``, ``beam_width``) than ``max_num_seqs``."""
-
-
-DEFAULT_BUDGET = 2048  # vLLM's SchedulerConfig default for max_num_batched_tokens
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """The scheduler's limits (vLLM's names and defaults) and its policy.
-
-    ``max_num_batched_tokens`` (the step's token budget) defaults to 2048 with chunked
-    prefill; without it, to at least ``max_model_len`` (vLLM's rule then: a budget below the
-    context would leave the longest prompts no step to run in).
-    """
-
-    max_num_seqs: int = 256  # sequences decoding at once
-    max_num_batched_tokens: int | None = None  # tokens in one forward pass
-    preemption_mode: str = "recompute"  # or "swap"
-    watermark: float = 0.01  # fraction of GPU blocks admission leaves free
-    policy: Policy = FCFS()  # the order of admission, decode, preemption and swap-in
-    chunked_prefill: bool = True  # False: prompts prefilled whole (the paper's vLLM, V0)
-    max_model_len: int | None = None  # the longest sequence; sizes the unchunked budget
-    speculative_config: SpeculativeConfig | dict | None = None  # proposals per decode
-
-    def __post_init__(self):
-        object.__setattr__(self, "speculative_config",
-                           SpeculativeConfig.of(self.speculative_config))
-        check_positive("max_num_seqs", self.max_num_seqs, integer=True)
-        if not isinstance(self.chunked_prefill, bool):
-            raise TypeError(f"chunked_prefill={self.chunked_prefill!r} must be a bool")
-        if self.max_model_len is not None:
-            check_positive("max_model_len", self.max_model_len, integer=True)
-        if self.max_num_batched_tokens is not None:
-            check_positive("max_num_batched_tokens", self.max_num_batched_tokens, integer=True)
-        if self.token_budget < self.max_num_seqs:
-            raise ValueError(
-                f"max_num_batched_tokens={self.token_budget} must be at least "
-                f"max_num_seqs={self.max_num_seqs}: each running sequence decodes a token a step"
-            )
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(
-                f"preemption_mode={self.preemption_mode!r} must be one of {PREEMPTION_MODES}"
-            )
-        if not 0 <= self.watermark < 1:
-            raise ValueError(f"watermark={self.watermark!r} must be in [0, 1)")
-        if not isinstance(self.policy, Policy):
-            raise TypeError(
-                f"policy={self.policy!r} must be an instance of a pagedlab.engine.Policy "
-                "subclass, such as FCFS() (an instance, not the class)"
-            )
-
-    @property
-    def token_budget(self) -> int:
-        """The step's token budget: ``max_num_batched_tokens``, or its default."""
-        if self.max_num_batched_tokens is not None:
-            return self.max_num_batched_tokens
-        if self.chunked_prefill:
-            return max(DEFAULT_BUDGET, self.max_num_seqs)
-        return max(DEFAULT_BUDGET, self.max_num_seqs, self.max_model_len or 0)
 
 
 class Scheduler:
@@ -158,15 +95,8 @@ class Scheduler:
 
     # --- requests ---------------------------------------------------------------------------
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params,
-        stop_token_ids=(),
-        generators=(),
-        priority: int = 0,
-    ) -> SequenceGroup:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params,
+                    stop_token_ids=(), generators=(), priority: int = 0) -> SequenceGroup:
         """Queue a request; raise :class:`CacheTooSmall` if its prompt can never be admitted.
 
         ``params`` is a SamplingParams or BeamSearchParams; ``generators`` the random stream
@@ -182,12 +112,12 @@ class Scheduler:
                 f"request {request_id!r} runs {params.width} sequences at once, more than "
                 f"max_num_seqs={self.config.max_num_seqs}"
             )
-        bs = self.manager.block_size
+        need = self.manager.blocks_for(len(prompt))
         capacity = self.manager.num_gpu_blocks - self.watermark_blocks
-        if cdiv(len(prompt), bs) > capacity:
+        if need > capacity:
             raise CacheTooSmall(
-                f"request {request_id!r}: its prompt of {len(prompt)} tokens needs "
-                f"{cdiv(len(prompt), bs)} blocks of {bs} tokens, but admission can use at most "
+                f"request {request_id!r}: its prompt of {len(prompt)} tokens needs {need} "
+                f"blocks of {self.manager.block_size} tokens, but admission can use at most "
                 f"{capacity} ({self.manager.num_gpu_blocks} blocks, {self.watermark_blocks} kept "
                 "free as the watermark)"
             )
@@ -216,7 +146,7 @@ class Scheduler:
         """Drop every unfinished request, its blocks and any copies pending (after an error,
         which may have struck between taking a group off its queue and putting it back)."""
         for group in list(self.unfinished.values()):
-            self._finish(group, "abort")
+            self._end(group, "abort")
         self.waiting.clear()
         self.running.clear()
         self.swapped.clear()
@@ -224,34 +154,28 @@ class Scheduler:
 
     def abort(self, group: SequenceGroup) -> None:
         """Drop one unfinished request and free its blocks (vLLM's ``abort_request``)."""
-        self._remove(group)
-        self._finish(group, "abort")
+        if group.status is GroupStatus.FINISHED:
+            raise ValueError(f"request {group.request_id!r} has already finished")
+        self._end(group, "abort")
 
-    def _finish(self, group: SequenceGroup, reason: str) -> None:
-        """End every live sequence of a group taken off its queue, freeing what it holds."""
+    def _end(self, group: SequenceGroup, reason: str | None, error: Exception | None = None):
+        """The one way a request ends (its sequences done, aborted, or failed with ``error``):
+        off its queue, every live sequence finished with ``reason`` and its blocks freed."""
+        queue = {GroupStatus.RUNNING: self.running, GroupStatus.SWAPPED: self.swapped,
+                 GroupStatus.WAITING: self.waiting}.get(group.status, ())
+        if group in queue:  # not there if an error struck while it was off its queue
+            queue.remove(group)
         for seq in group.live:
             if seq.seq_id in self.manager:
                 self.manager.free(seq.seq_id)
             seq.finish_reason = reason
-        self._finished(group)
-
-    def _finished(self, group: SequenceGroup) -> None:
-        group.status = GroupStatus.FINISHED
+        group.status, group.error = GroupStatus.FINISHED, error
         group.metrics.finished_time = time.monotonic()
         self.unfinished.pop(group.request_id, None)
 
-    def _remove(self, group: SequenceGroup) -> None:
-        queue = {GroupStatus.RUNNING: self.running, GroupStatus.SWAPPED: self.swapped,
-                 GroupStatus.WAITING: self.waiting}.get(group.status)
-        if queue is None:
-            raise ValueError(f"request {group.request_id!r} has already finished")
-        queue.remove(group)
-
     def _fail(self, group: SequenceGroup, error: Exception, step: Step) -> None:
-        """Finish a request that can never run with ``error``; the others go on."""
-        self._remove(group)
-        self._finish(group, "error")
-        group.error = error
+        """Rule 6: a request that can never run finishes with ``error``; the others go on."""
+        self._end(group, "error", error)
         step.failed.append(group)
 
     # --- forming a step ---------------------------------------------------------------------
@@ -266,20 +190,29 @@ class Scheduler:
         step = Step()
         self._schedule_running(step)
         if not step.preempted:
-            self._schedule_swapped(step)
-            if not self.swapped:
-                self._schedule_waiting(step)
-        while step.is_empty and self.has_unfinished:  # nothing runs
-            self._schedule_swapped(step)
-            if not self.swapped:
-                self._schedule_waiting(step)
-            if step.is_empty:  # and the head cannot start in an idle cache
-                head = self.swapped[0] if self.swapped else self.waiting[0]
-                self._fail(head, self._too_small(head, self._blocks_to_resume(head)), step)
+            self._admit(step)
+        self._fail_unrunnable(step)
         step.copies = self.manager.take_copies()
-        step.stats = self._step_stats(step)
+        step.stats = step.summary(self.num_steps, len(self.running), len(self.waiting),
+                                  len(self.swapped), self.manager.num_used_blocks)
         self.num_steps += 1
         return step
+
+    def _admit(self, step: Step) -> None:
+        """Swapped groups back first; waiting ones only once none is left swapped (rule 4)."""
+        self._schedule_swapped(step)
+        if not self.swapped:
+            self._schedule_waiting(step)
+
+    def _fail_unrunnable(self, step: Step) -> None:
+        """Rule 6, for a step with nothing to run (even after a preemption): admit again; a
+        head of the queue that cannot start in an idle cache never will, so it fails and the
+        next one is tried."""
+        while step.is_empty and self.has_unfinished:
+            self._admit(step)
+            if step.is_empty:
+                head = self.swapped[0] if self.swapped else self.waiting[0]
+                self._fail(head, self._too_small(head, self._blocks_to_resume(head)), step)
 
     def _schedule_running(self, step: Step) -> None:
         """Decodes first, in the policy's order, preempting from the order's end when the
@@ -300,7 +233,6 @@ class Scheduler:
             elif self.running or prefilling:
                 self._preempt(group, step)  # it is itself the policy's last left
             else:  # alone in the cache and still it cannot grow
-                self.running.append(group)
                 self._fail(group, self._too_small(group, need + self.manager.num_used_blocks),
                            step)
         if self.proposer is not None:
@@ -383,7 +315,7 @@ class Scheduler:
                     n = min(n, budget)
                 elif n > budget and not step.is_empty:  # too big for the budget: runs alone
                     return
-                if not n or not self._can_resume(group, cdiv(hits + n, self.manager.block_size)):
+                if not n or not self._can_resume(group, self.manager.blocks_for(hits + n)):
                     return
                 self.waiting.popleft()
                 self.manager.allocate(seq.seq_id, seq.token_ids[: hits + n], prompt_len=len(seq))
@@ -401,24 +333,13 @@ class Scheduler:
             step.partial.append(group)
 
     def _allocate(self, group: SequenceGroup) -> list[Chunk]:
-        """Blocks for a recomputed forked group's prefill, and each sequence's chunk.
-
-        Forked sequences share their prompt's full blocks: the first computes them, the others
-        fork it before anyone appends, and then compute only what follows (the prompt's partial
-        last block and their own outputs, re-computed by each).
-        """
-        seqs, shared, m = group.live, self._shared_prompt(group), self.manager
-        if not shared:
-            starts = [m.allocate(seq.seq_id, seq.token_ids) for seq in seqs]
-        else:
-            first = seqs[0]
-            starts = [m.allocate(first.seq_id, group.prompt_token_ids[:shared])]
-            for seq in seqs[1:]:
-                m.fork(first.seq_id, seq.seq_id)
-                starts.append(shared)
-            for seq in seqs:
-                m.append(seq.seq_id, seq.token_ids[shared:])
-        return [Chunk.of(self.manager, seq, start, len(seq) - start) for seq, start in zip(seqs, starts)]
+        """Blocks for a recomputed forked group's prefill (its prompt's full blocks computed
+        once, then shared), and each sequence's chunk."""
+        seqs = group.live
+        starts = self.manager.allocate_shared([s.seq_id for s in seqs],
+                                              [s.token_ids for s in seqs],
+                                              self._shared_prompt(group))
+        return [Chunk.of(self.manager, s, start, len(s) - start) for s, start in zip(seqs, starts)]
 
     def _shared_prompt(self, group: SequenceGroup) -> int:
         """Prompt tokens in full blocks that a waiting group's live sequences will share
@@ -474,10 +395,11 @@ class Scheduler:
         first step (prefix hits ignored): its first chunk, or all its tokens unchunked."""
         if group.status is GroupStatus.SWAPPED:
             return group.blocks_to_swap_in
-        bs, shared = self.manager.block_size, self._shared_prompt(group)
         if len(group.live) == 1 and self.config.chunked_prefill:
-            return cdiv(min(len(group.live[0]), self.config.token_budget), bs)
-        return shared // bs + sum(cdiv(len(seq) - shared, bs) for seq in group.live)
+            return self.manager.blocks_for(min(len(group.live[0]), self.config.token_budget))
+        shared = self._shared_prompt(group)
+        return shared // self.manager.block_size + sum(
+            self.manager.blocks_for(len(seq) - shared) for seq in group.live)
 
     def _can_resume(self, group: SequenceGroup, blocks: int) -> bool:
         """Would a waiting or swapped group's ``blocks`` fit now above the watermark, and its
@@ -492,26 +414,6 @@ class Scheduler:
             f"request {group.request_id!r} needs {need} blocks of {m.block_size} tokens to go "
             f"on; the cache has {m.num_gpu_blocks}, of which admission keeps "
             f"{self.watermark_blocks} free: give it more blocks or fewer tokens"
-        )
-
-    def _step_stats(self, step: Step) -> StepStats:
-        return StepStats(
-            step=self.num_steps,
-            prefill_seqs=len(step.prefills),
-            prefill_tokens=sum(c.num_tokens for c in step.prefills),
-            decode_seqs=len(step.decodes),
-            kv_tokens_read=sum(c.start for c in step.prefills)
-            + sum(c.context_len for c in step.decodes),
-            running=len(self.running),
-            waiting=len(self.waiting),
-            swapped=len(self.swapped),
-            used_blocks=self.manager.num_used_blocks,
-            preempted=tuple((g.request_id, mode) for g, mode in step.preempted),
-            swapped_in=tuple(g.request_id for g in step.swapped_in),
-            blocks_swapped_out=len(step.swap_out),
-            blocks_swapped_in=len(step.swap_in),
-            blocks_copied=len(step.copies),
-            draft_tokens=step.num_draft_tokens,
         )
 
     # --- after the step ---------------------------------------------------------------------
@@ -533,8 +435,7 @@ class Scheduler:
             else:
                 self._apply(group, out.children)
             if not group.live:
-                self.running.remove(group)
-                self._finished(group)
+                self._end(group, None)
                 finished.append(group)
         self.manager.commit()
         return finished
@@ -572,23 +473,6 @@ class Scheduler:
                 group.metrics.num_accepted_tokens += len(child.accepted)
             for token, logprob, top in [*child.accepted, (child.token, child.logprob, child.top)]:
                 seq.append(token, logprob, top)
-                if not group.is_beam_search:
-                    self._check_stop(group, seq)
-                    if seq.is_finished:
-                        break
-
-    def _check_stop(self, group: SequenceGroup, seq: Sequence) -> None:
-        """Finish a sampled sequence at a stop token or string, at ``max_tokens`` or at the
-        model's length; free its blocks."""
-        token = seq.output_token_ids[-1]
-        if token in group.stop_token_ids:
-            seq.finish_reason, seq.stop_reason = "stop", token
-        elif group.stop_check is not None and (found := group.stop_check(seq)) is not None:
-            seq.finish_reason, seq.stop_reason = "stop", found
-        elif len(seq.output_token_ids) >= group.params.max_tokens or (
-            group.max_len is not None and len(seq) >= group.max_len
-        ):
-            seq.finish_reason = "length"
-        else:
-            return
-        self.manager.free(seq.seq_id)
+                if not group.is_beam_search and group.stops(seq):
+                    self.manager.free(seq.seq_id)
+                    break

@@ -148,6 +148,20 @@ class SequenceGroup:
     def is_finished(self) -> bool:
         return self.status is GroupStatus.FINISHED
 
+    def stops(self, seq: Sequence) -> bool:
+        """Does ``seq``'s last token end it: a stop token or string, ``max_tokens`` or the
+        model's length? If so, mark it finished, saying why (its blocks are the caller's)."""
+        token = seq.output_token_ids[-1]
+        if token in self.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token
+        elif self.stop_check is not None and (found := self.stop_check(seq)) is not None:
+            seq.finish_reason, seq.stop_reason = "stop", found
+        elif len(seq.output_token_ids) >= self.params.max_tokens or (
+            self.max_len is not None and len(seq) >= self.max_len
+        ):
+            seq.finish_reason = "length"
+        return seq.is_finished
+
 
 @dataclass
 class SequenceOutput:

@@ -109,6 +109,29 @@ class Step:
     def is_empty(self) -> bool:
         return not self.prefills and not self.decodes
 
+    def summary(self, number: int, running: int, waiting: int, swapped: int,
+                used_blocks: int) -> StepStats:
+        """The step's :class:`StepStats`, given its number and the queues and cache after it
+        was formed."""
+        return StepStats(
+            step=number,
+            prefill_seqs=len(self.prefills),
+            prefill_tokens=sum(c.num_tokens for c in self.prefills),
+            decode_seqs=len(self.decodes),
+            kv_tokens_read=sum(c.start for c in self.prefills)
+            + sum(c.context_len for c in self.decodes),
+            running=running,
+            waiting=waiting,
+            swapped=swapped,
+            used_blocks=used_blocks,
+            preempted=tuple((g.request_id, mode) for g, mode in self.preempted),
+            swapped_in=tuple(g.request_id for g in self.swapped_in),
+            blocks_swapped_out=len(self.swap_out),
+            blocks_swapped_in=len(self.swap_in),
+            blocks_copied=len(self.copies),
+            draft_tokens=self.num_draft_tokens,
+        )
+
 
 class StepOutput(NamedTuple):
     """What executing a step produced: each sampled group's children, for

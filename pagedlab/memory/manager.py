@@ -134,13 +134,17 @@ class KVCacheManager:
         """GPU blocks in the prefix cache, in use or parked (0 without prefix caching)."""
         return self.prefix_cache.num_cached if self.prefix_cache is not None else 0
 
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks that ``num_tokens`` tokens fill, the last one perhaps partly."""
+        return cdiv(num_tokens, self.block_size)
+
     def can_allocate(self, num_tokens: int) -> bool:
         """Would a new sequence of ``num_tokens`` prompt tokens fit now, ignoring prefix hits?
 
         Conservative: prefix hits only lower the need, so True means :meth:`allocate` succeeds.
         """
         check_positive("num_tokens", num_tokens, integer=True)
-        return cdiv(num_tokens, self.block_size) <= self.gpu.num_free
+        return self.blocks_for(num_tokens) <= self.gpu.num_free
 
     def can_append(self, seq_id: Hashable, num_tokens: int = 1) -> bool:
         """Would appending ``num_tokens`` tokens to ``seq_id`` fit now (copy-on-write included)?"""
@@ -217,6 +221,25 @@ class KVCacheManager:
         if self.events is not None:
             self._record("allocate", seq_id, blocks, num_tokens=n, cached_tokens=cached)
         return cached
+
+    def allocate_shared(self, seq_ids: Sequence[Hashable], token_ids: Sequence[Sequence[int]],
+                        shared: int) -> list[int]:
+        """Blocks for new sequences whose first ``shared`` tokens (whole blocks, the same in
+        each) are held once: the first sequence allocates them, the others fork it before
+        anyone appends the rest. Returns each sequence's first token to compute (after its
+        prefix hits, or after the shared part), as :meth:`allocate` does for one."""
+        if not shared:
+            return [self.allocate(i, t) for i, t in zip(seq_ids, token_ids)]
+        if shared % self.block_size:
+            raise ValueError(f"sequences {list(seq_ids)!r}: shared={shared} tokens must fill "
+                             f"whole blocks of {self.block_size}")
+        first = seq_ids[0]
+        starts = [self.allocate(first, token_ids[0][:shared])] + [shared] * (len(seq_ids) - 1)
+        for seq_id in seq_ids[1:]:
+            self.fork(first, seq_id)
+        for seq_id, tokens in zip(seq_ids, token_ids):
+            self.append(seq_id, tokens[shared:])
+        return starts
 
     def append(self, seq_id: Hashable, token_ids: Sequence[int], *,
                num_speculative: int = 0) -> None:
