@@ -7,18 +7,16 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 from _tiny import random_prompts, tiny_hf
+from scheduling import make, run_step
 
 from pagedlab import LLM, SamplingParams
 from pagedlab.engine import (
     FCFS,
-    GroupOutput,
     Policy,
     Priority,
     Scheduler,
     SchedulerConfig,
-    SequenceOutput,
 )
-from pagedlab.memory import KVCacheManager
 from pagedlab.model import from_hf
 from pagedlab.sim import synthetic_requests
 from pagedlab.sim.cost_model import CostModel
@@ -35,8 +33,7 @@ class ShortestPromptFirst(Policy):
 
 def scheduler(requests, num_blocks=64, num_cpu_blocks=0, block_size=4, **config):
     """A model-free scheduler with ``requests`` (id, prompt length, max tokens, priority)."""
-    sched = Scheduler(KVCacheManager(num_blocks, block_size, num_cpu_blocks),
-                      SchedulerConfig(**config))
+    sched = make(num_blocks, block_size, num_cpu_blocks, **config)
     for rid, prompt_len, max_tokens, priority in requests:
         add(sched, rid, prompt_len, max_tokens, priority)
     return sched
@@ -49,10 +46,7 @@ def add(sched, rid, prompt_len, max_tokens, priority=0):
 
 def step(sched):
     """One step, every sequence sampling token 1; the step and the groups it finished."""
-    s = sched.schedule()
-    done = sched.update([GroupOutput(g, [SequenceOutput(q, 1, 0.0) for q in g.live])
-                         for g in s.sampled_groups])
-    return s, done
+    return run_step(sched, token=1)
 
 
 def admitted(s):

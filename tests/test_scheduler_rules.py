@@ -2,6 +2,7 @@
 to kill the mutants that survived the other tests: tests/MUTATION.md)."""
 
 import pytest
+from scheduling import make, run_step
 
 from pagedlab.engine import (
     BeamSearchParams,
@@ -17,29 +18,10 @@ from pagedlab.engine import (
 from pagedlab.memory import KVCacheManager
 
 
-def make(num_blocks=8, block_size=4, num_cpu_blocks=0, **config):
-    return Scheduler(KVCacheManager(num_blocks, block_size, num_cpu_blocks),
-                     SchedulerConfig(**config))
-
-
 def add(sched, rid, prompt_len, max_tokens=4, n=1, stop=()):
     return sched.add_request(rid, list(range(1, prompt_len + 1)),
                              SamplingParams(n=n, max_tokens=max_tokens, seed=0),
                              stop_token_ids=stop)
-
-
-def run_step(sched, token=7):
-    """One step in which every live sequence samples ``token`` (every sample of a prompt's
-    step included)."""
-    step = sched.schedule()
-    outputs = []
-    for group in step.sampled_groups:
-        if group.is_prefilled:
-            children = [SequenceOutput(s, token, 0.0) for s in group.live]
-        else:
-            children = [SequenceOutput(group.seqs[0], token, 0.0)] * group.params.n
-        outputs.append(GroupOutput(group, children))
-    return step, sched.update(outputs)
 
 
 # --- configuration and requests -------------------------------------------------------------

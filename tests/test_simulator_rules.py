@@ -5,9 +5,9 @@ import math
 import re
 
 import pytest
+from scheduling import make
 
-from pagedlab.engine import BeamSearchParams, SamplingParams, Scheduler, SchedulerConfig
-from pagedlab.memory import KVCacheManager
+from pagedlab.engine import BeamSearchParams, SamplingParams, SchedulerConfig
 from pagedlab.sim import synthetic_requests
 from pagedlab.sim.calibration import FittedCostModel
 from pagedlab.sim.cost_model import CostModel
@@ -115,8 +115,7 @@ def test_an_unknown_system_is_named():
 
 
 def sim_scheduler(num_blocks=8, num_cpu_blocks=0, **config):
-    return Scheduler(KVCacheManager(num_blocks, 4, num_cpu_blocks),
-                     SchedulerConfig(watermark=0.0, **config))
+    return make(num_blocks, 4, num_cpu_blocks, watermark=0.0, **config)
 
 
 def test_the_executor_prices_a_chunk_after_its_cached_tokens():
