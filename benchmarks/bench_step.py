@@ -27,7 +27,7 @@ import torch
 from pagedlab import LLM, SamplingParams
 from pagedlab.device import HAS_CUDA, describe
 from pagedlab.model import from_pretrained
-from pagedlab.models import smollm2
+from pagedlab.checkpoints import smollm2
 from pagedlab.profiling import decode_gemms, profile_steps
 from pagedlab.timing import stopwatch
 

@@ -41,7 +41,7 @@ LOADS = {"low": 0.25, "middle": 0.5, "near saturation": 0.85}  # shares of the c
 
 
 def load_llm() -> tuple[LLM, str]:
-    from pagedlab.models import ModelNotInstalled, smollm2
+    from pagedlab.checkpoints import ModelNotInstalled, smollm2
 
     try:
         return LLM(smollm2(), num_gpu_blocks=512), "SmolLM2-135M-Instruct, fp32"

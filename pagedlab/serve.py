@@ -5,7 +5,7 @@
 :class:`~pagedlab.engine.async_llm.AsyncLLM`: every request joins the running batch at the next
 step, and a client that disconnects mid-stream has its request aborted and its blocks freed.
 Bad input gets OpenAI's error object with HTTP 400, and the others are served on. By default
-it serves SmolLM2-135M-Instruct offline (:func:`pagedlab.models.smollm2`)::
+it serves SmolLM2-135M-Instruct offline (:func:`pagedlab.checkpoints.smollm2`)::
 
     python -m pagedlab.serve [--model DIR] [--port 8000] [--block-size 16] ...
 """
@@ -210,7 +210,7 @@ def main(argv=None) -> None:
     import uvicorn
 
     from pagedlab.device import HAS_CUDA
-    from pagedlab.models import smollm2
+    from pagedlab.checkpoints import smollm2
 
     if not HAS_CUDA:
         torch.set_num_threads(1)  # see the Makefile: spinning threads on a shared CPU

@@ -91,7 +91,7 @@ def tiny_over_smollm2_tokenizer():
     import pytest
 
     from pagedlab.model import from_hf
-    from pagedlab.models import ModelNotInstalled, smollm2
+    from pagedlab.checkpoints import ModelNotInstalled, smollm2
 
     try:
         checkpoint = smollm2()

@@ -15,7 +15,7 @@ import pagedlab  # noqa: F401  (before transformers: see pagedlab.device)
 from pagedlab import LLM, SamplingParams
 from pagedlab.engine import InvalidPrompt, PromptTooLong
 from pagedlab.engine.runner import block_bytes
-from pagedlab.models import ModelNotInstalled, smollm2
+from pagedlab.checkpoints import ModelNotInstalled, smollm2
 
 pytestmark = pytest.mark.slow  # a 135M-parameter model on a CPU: about 100 s for the module
 

@@ -18,7 +18,7 @@ import httpx  # noqa: E402
 import uvicorn  # noqa: E402
 
 from pagedlab import LLM, SamplingParams  # noqa: E402
-from pagedlab.models import ModelNotInstalled, smollm2  # noqa: E402
+from pagedlab.checkpoints import ModelNotInstalled, smollm2  # noqa: E402
 from pagedlab.serve import build_app  # noqa: E402
 
 NAME = "tiny"

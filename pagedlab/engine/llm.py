@@ -1,6 +1,6 @@
 """The ``LLM`` facade: vLLM's offline API over pagedlab's model, cache, scheduler and sampler::
 
-    llm = LLM(pagedlab.models.smollm2())  # a checkpoint directory: model and tokenizer
+    llm = LLM(pagedlab.checkpoints.smollm2())  # a checkpoint directory: model and tokenizer
     outs = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))
     outs[0].outputs[0].text, llm.stats.summary()
     llm.chat([{"role": "user", "content": "Hello!"}])
