@@ -41,6 +41,18 @@ def pick(small, large):
     return small if size_preset() == "small" else large
 
 
+def half_dtype(capability: tuple[int, int] | None = None) -> torch.dtype:
+    """The 16-bit dtype for a model and its cache on a GPU of compute ``capability`` (this one's
+    by default): bf16 from 8.0 (Ampere) on, fp16 below. A T4 (7.5, Colab's free GPU) has no
+    bf16 tensor cores, and vLLM refused bf16 there too (``_check_if_gpu_supports_dtype`` in
+    V0's ``vllm/worker/worker.py``); ``torch.cuda.is_bf16_supported()`` says True on a T4,
+    counting software emulation, so the capability decides here. bf16 on a CPU."""
+    if capability is None and HAS_CUDA:
+        capability = torch.cuda.get_device_capability()
+    return torch.float16 if capability is not None and tuple(capability) < (8, 0) else \
+        torch.bfloat16
+
+
 def describe() -> str:
     """One line that says where the code is running, for the top of each chapter."""
     if HAS_CUDA:

@@ -51,3 +51,22 @@ def test_triton_kernels_run_through_the_interpreter_after_importing_pagedlab(tmp
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "through the interpreter" in done.stdout
+
+
+@pytest.mark.parametrize("capability, dtype", [
+    ((7, 0), torch.float16),  # V100
+    ((7, 5), torch.float16),  # T4, Colab's free GPU
+    ((8, 0), torch.bfloat16),  # A100
+    ((8, 6), torch.bfloat16),
+    ((9, 0), torch.bfloat16),  # H100, H200
+])
+def test_half_dtype_is_bf16_only_from_ampere_on(capability, dtype):
+    assert device.half_dtype(capability) == dtype
+
+
+def test_half_dtype_asks_this_gpu_and_is_bf16_on_a_cpu(monkeypatch):
+    if not torch.cuda.is_available():
+        assert device.half_dtype() == torch.bfloat16
+    monkeypatch.setattr(device, "HAS_CUDA", True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 5))
+    assert device.half_dtype() == torch.float16
