@@ -70,8 +70,8 @@ echo "part $part$([ "$dry" = 1 ] && echo ', dry run'), size preset $size, $(date
 if [ "$part" = 1 ]; then
   parallel=()  # pytest-xdist, where installed: 6 workers of 2 threads on 16 cores
   "$PY" -c "import xdist" 2>/dev/null && [ "$dry" = 0 ] && parallel=(-n 6)
-  mapfile -t gpu_args < <(pick -m gpu tests/test_kernels_*.py tests/test_hardware.py -q -rs \
-    -- -m gpu --collect-only -q tests/test_kernels_*.py tests/test_hardware.py)
+  mapfile -t gpu_args < <(pick -m gpu tests/test_kernels_*.py tests/test_hardware.py tests/test_graphs.py -q -rs \
+    -- -m gpu --collect-only -q tests/test_kernels_*.py tests/test_hardware.py tests/test_graphs.py)
   mapfile -t suite_args < <(pick tests -m "not gpu" -q -ra -p no:benchmark \
     --ignore=tests/test_book.py --ignore=tests/test_assignments.py \
     -- -q tests/test_hardware.py tests/test_device.py)

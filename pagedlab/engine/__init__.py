@@ -5,7 +5,8 @@ and the loop body engine and simulator share), ``scheduler_config`` (its limits)
 by recomputation or swapping; no tensors, so the simulator drives it too), ``policy`` (the order
 the scheduler serves and preempts in: FCFS, priority, or your own), ``sampling`` and
 ``beams`` (choosing tokens; parallel samples and beams by fork and copy-on-write),
-``runner`` (the KV cache tensors and the model's forward pass), ``batch`` (the persistent
+``runner`` (the KV cache tensors and the model's forward pass), ``graphs`` (decode steps replayed
+from CUDA graphs), ``batch`` (the persistent
 batch of block-table rows), ``stats`` and ``outputs``
 (what a run reports), ``llm`` (the :class:`LLM` facade), ``async_llm`` (the engine online:
 requests arriving while others run, tokens streamed back), ``speculative`` (proposals verified

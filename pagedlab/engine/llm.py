@@ -26,6 +26,7 @@ import time
 from pagedlab._arith import cdiv
 from pagedlab._checks import check_positive, lookup_preset
 from pagedlab.engine.beams import BeamSearchOutput, BeamSearchParams
+from pagedlab.engine.graphs import DEFAULT_SIZES
 from pagedlab.engine.outputs import RequestOutput
 from pagedlab.engine.policy import POLICIES, Policy
 from pagedlab.engine.runner import KV_CACHE_DTYPES, ModelRunner, block_bytes, profile_num_blocks
@@ -82,7 +83,9 @@ class LLM:
     :class:`~pagedlab.engine.policy.Policy`; ``record_events`` keeps the manager's event log
     (``llm.manager.events``); ``decode_batch_sizes`` pads every step's decodes with dummy rows
     up to the smallest of these sizes that holds them, as replaying CUDA graphs captured at
-    those sizes would (vLLM's ``cudagraph_capture_sizes``; no graph is captured here yet);
+    those sizes would (vLLM's ``cudagraph_capture_sizes``); ``cuda_graphs`` runs decode-only
+    steps of those sizes (by default powers of two up to ``max_num_seqs``) as CUDA graphs
+    captured at start, eagerly on a CPU (:mod:`pagedlab.engine.graphs`);
     ``speculative_config`` (vLLM's, e.g. ``{"method": "ngram", "num_speculative_tokens": 4}``)
     turns on speculative decoding (:mod:`pagedlab.engine.speculative`).
     """
@@ -111,6 +114,7 @@ class LLM:
         record_events: bool = False,
         decode_batch_sizes: tuple[int, ...] = (),
         speculative_config: dict | None = None,
+        cuda_graphs: bool = False,
     ):
         check_positive("block_size", block_size, integer=True)
         if not (isinstance(gpu_memory_utilization, (int, float)) and 0 < gpu_memory_utilization <= 1):
@@ -130,6 +134,11 @@ class LLM:
             raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} must be one of {KV_CACHE_DTYPES}")
         for size in decode_batch_sizes:
             check_positive("decode_batch_sizes", size, integer=True)
+        if not isinstance(cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs={cuda_graphs!r} must be a bool")
+        if cuda_graphs and not decode_batch_sizes:  # vLLM's rule too: none above max_num_seqs
+            decode_batch_sizes = tuple(s for s in DEFAULT_SIZES if s < max_num_seqs) + (
+                max_num_seqs,)
         check_positive("kv_scale", kv_scale)
         if not math.isfinite(kv_scale):
             raise ValueError(f"kv_scale={kv_scale!r} must be finite and > 0")
@@ -176,7 +185,10 @@ class LLM:
         )
         self.scheduler = Scheduler(self.manager, self.config)
         self.runner = ModelRunner(model, block_size, self.manager.num_gpu_blocks, num_cpu_blocks,
-                                  kv_cache_dtype, kv_scale, decode_batch_sizes)
+                                  kv_cache_dtype, kv_scale, decode_batch_sizes, cuda_graphs,
+                                  max_blocks=self.manager.num_gpu_blocks if not self.max_model_len
+                                  else min(self.manager.num_gpu_blocks,
+                                           cdiv(self.max_model_len, block_size)))
         self.stats: EngineStats | None = None  # of the last call
         self.last_step: Step | None = None  # the last step's batch: what a timed replay reads
         self._next_id = 0  # request ids: "0", "1", ...

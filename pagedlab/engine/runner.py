@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from pagedlab.engine.batch import PersistentBatch
+from pagedlab.engine.graphs import DecodeGraphs
 from pagedlab.engine.sampling import Sampler
 from pagedlab.engine.step import Step, StepOutput
 from pagedlab.footprint import kv_bytes_per_token
@@ -97,7 +98,9 @@ def _movable(cache: Tensor) -> Tensor:
 class ModelRunner:
     """Per-layer key and value caches on the model's device, their CPU swap space, and the
     forward pass of a step; ``decode_batch_sizes`` pads each step's decodes to one of those
-    sizes (the shapes CUDA graphs are captured at; padding must change no token)."""
+    sizes (the shapes CUDA graphs are captured at; padding must change no token). With
+    ``cuda_graphs``, decode-only steps of those sizes run through :class:`DecodeGraphs`
+    (replayed on a GPU, eager on a CPU), block tables padded to ``max_blocks`` entries."""
 
     def __init__(
         self,
@@ -108,6 +111,8 @@ class ModelRunner:
         kv_cache_dtype: str = "auto",
         kv_scale: float = 1.0,
         decode_batch_sizes: tuple[int, ...] = (),
+        cuda_graphs: bool = False,
+        max_blocks: int | None = None,
     ):
         self.model = model
         self.decode_batch_sizes = tuple(sorted(decode_batch_sizes))
@@ -132,6 +137,13 @@ class ModelRunner:
         self.cpu_caches = caches(num_cpu_blocks, "cpu", pin)
         self.batch = PersistentBatch(dev)  # the block tables of the sequences in the batch
         self.sampler = Sampler()
+        self.graphs = None
+        if cuda_graphs:
+            if max_blocks is None:
+                raise ValueError("cuda_graphs needs max_blocks: the widest block table a "
+                                 "sequence of max_model_len tokens has")
+            self.graphs = DecodeGraphs(model, self.kv_caches, self.kv_scale,
+                                       self.decode_batch_sizes, max_blocks)
 
     def execute(self, step: Step) -> StepOutput:
         """Run ``step`` and sample from the logits of each chunk that reaches its sequence's
@@ -142,8 +154,12 @@ class ModelRunner:
             batch, last, rows = self.prepare(step)
         with scope("pagedlab::forward"):
             self._move_blocks(step)
-            hidden = self.model(batch, self.kv_caches, self.kv_scale)  # [num_tokens, hidden]
-            logits = self.model.compute_logits(hidden[last])  # [num_logits, vocab], fp32
+            graphs = self.graphs
+            if graphs is not None and not step.ranged and graphs.fits(len(batch.seq_lens)):
+                logits = graphs.run(batch)[last]  # [num_logits, vocab], fp32
+            else:
+                hidden = self.model(batch, self.kv_caches, self.kv_scale)  # [num_tokens, hidden]
+                logits = self.model.compute_logits(hidden[last])  # [num_logits, vocab], fp32
         with scope("pagedlab::sample"):
             drafts = {c.seq.seq_id: c.draft for c in step.decodes if c.draft}
             return StepOutput(self.sampler(step.sampled_groups, rows, logits, drafts))
