@@ -35,7 +35,10 @@ def test_capacity_questions_take_whole_token_counts_and_name_them():
         mgr.slot_mapping("a", 1.0, 2)
     with pytest.raises(ValueError, match=r"end=-1 must be >= 0"):
         mgr.slot_mapping("a", 0, -1)
+    with pytest.raises(ValueError, match=r"start=True must be an integer"):
+        mgr.slot_mapping("a", True, 2)
     assert mgr.slot_mapping("a", 1, 3) == [1, 2]
+    assert mgr.slot_mapping("a", np.int64(1), np.int32(3)) == [1, 2]  # any integer type
 
 
 def test_a_request_that_needs_exactly_the_free_blocks_fits():

@@ -352,7 +352,7 @@ class Scheduler:
     def _decode(self, group: SequenceGroup, step: Step) -> None:
         """Store each live sequence's pending token; its key and value come this step."""
         for seq in group.live:
-            self.manager.append(seq.seq_id, seq.token_ids[-1:])
+            self.manager.append(seq.seq_id, [seq.last_token_id])
             step.decodes.append(Chunk.of(self.manager, seq, len(seq) - 1, 1, is_decode=True))
         group.status = GroupStatus.RUNNING
         self.running.append(group)
@@ -465,7 +465,7 @@ class Scheduler:
         if plan and group.metrics.first_token_time is None:
             group.metrics.first_token_time = time.monotonic()
         for seq, child in plan:
-            proposed = self.manager.num_tokens(seq.seq_id) - len(seq)
+            proposed = self.proposer is not None and self.manager.num_tokens(seq.seq_id) - len(seq)
             if proposed:  # a verification step: the cache keeps what it accepted
                 self.manager.truncate(seq.seq_id, len(seq) + len(child.accepted))
                 self.spec_stats.observe(proposed, len(child.accepted))

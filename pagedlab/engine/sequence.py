@@ -41,6 +41,12 @@ class Sequence:
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    @property
+    def last_token_id(self) -> int:
+        """The newest token, the one a decode step computes keys and values for (without
+        building :attr:`token_ids`, whose copy a step per token would pay for)."""
+        return (self.output_token_ids or self.prompt_token_ids)[-1]
+
     def __len__(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
@@ -129,6 +135,9 @@ class SequenceGroup:
     @property
     def live(self) -> list[Sequence]:
         """The sequences still generating: each holds blocks unless the group is waiting."""
+        if len(self.seqs) == 1:  # most requests, asked several times a step: kept cheap
+            (seq,) = self.seqs
+            return [] if seq.is_finished else [seq]
         return [s for s in self.seqs if not s.is_finished]
 
     @property

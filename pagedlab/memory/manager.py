@@ -408,12 +408,13 @@ class KVCacheManager:
         where ``reshape_and_cache`` writes those tokens' keys and values."""
         table = self._table(seq_id)
         n = len(table.token_ids)
-        for name, value in (("start", start), ("end", end)):
-            check_positive(name, value, integer=True, allow_zero=True)
-        if not start <= end <= n:
-            raise ValueError(
-                f"sequence {seq_id!r}: need 0 <= start={start} <= end={end} <= {n} tokens"
-            )
+        if not (type(start) is int and type(end) is int and 0 <= start <= end <= n):
+            for name, value in (("start", start), ("end", end)):  # then say what is wrong
+                check_positive(name, value, integer=True, allow_zero=True)
+            if not start <= end <= n:
+                raise ValueError(
+                    f"sequence {seq_id!r}: need 0 <= start={start} <= end={end} <= {n} tokens"
+                )
         bs, blocks = self.block_size, table.blocks
         return [blocks[p // bs] * bs + p % bs for p in range(start, end)]
 
