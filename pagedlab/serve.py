@@ -190,7 +190,9 @@ async def _chain(first, rest):
         yield item
 
 
-def main(argv=None) -> None:
+def parser() -> argparse.ArgumentParser:
+    """The server's command line (also read by ``bench_serving.py --simulate``, which builds
+    the same engine in its own process to calibrate the simulator)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None,
                         help="a checkpoint directory (default: SmolLM2-135M-Instruct)")
@@ -205,21 +207,34 @@ def main(argv=None) -> None:
     parser.add_argument("--enable-prefix-caching", action="store_true")
     parser.add_argument("--speculative-config", type=json.loads, default=None,
                         help='JSON, as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 4}\'')
-    args = parser.parse_args(argv)
+    return parser
+
+
+def engine(args: argparse.Namespace) -> LLM:
+    """The engine the server runs for parsed ``args``, on one thread on a CPU (see the
+    Makefile: spinning threads on a shared CPU)."""
     import torch
-    import uvicorn
 
     from pagedlab.device import HAS_CUDA
     from pagedlab.models import smollm2
 
     if not HAS_CUDA:
-        torch.set_num_threads(1)  # see the Makefile: spinning threads on a shared CPU
-    path = args.model or smollm2()
-    llm = LLM(path, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
-              speculative_config=args.speculative_config)
-    name = args.served_model_name or str(path).rstrip("/").split("/")[-1]
+        torch.set_num_threads(1)
+    return LLM(args.model or smollm2(), block_size=args.block_size,
+               num_gpu_blocks=args.num_gpu_blocks, max_num_seqs=args.max_num_seqs,
+               max_num_batched_tokens=args.max_num_batched_tokens,
+               max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
+               speculative_config=args.speculative_config)
+
+
+def main(argv=None) -> None:
+    import uvicorn
+
+    from pagedlab.models import smollm2
+
+    args = parser().parse_args(argv)
+    llm = engine(args)
+    name = args.served_model_name or str(args.model or smollm2()).rstrip("/").split("/")[-1]
     uvicorn.run(build_app(llm, name), host=args.host, port=args.port)
 
 

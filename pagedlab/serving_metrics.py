@@ -142,6 +142,43 @@ def simulated_records(requests, result) -> list[RequestRecord]:
                                                  result.finish, result.output_len)]
 
 
+def predict(lengths, offsets, cost, config) -> tuple[list[RequestRecord], float]:
+    """The simulator's run of a benchmark's workload: request ``i`` of ``lengths[i]`` =
+    (prompt_len, output_len) tokens arriving ``offsets[i]`` seconds in, served by the engine's
+    scheduler under ``config`` (a :class:`~pagedlab.sim.PagedConfig` with the server's cache
+    and limits) with each step priced by ``cost``. Returns the records and the duration as
+    :func:`benchmark` measures them, ready for :func:`summarize`."""
+    from dataclasses import replace
+
+    from pagedlab.sim import Request, simulate_paged
+
+    if len(lengths) != len(offsets):
+        raise ValueError(f"{len(lengths)} requests but {len(offsets)} arrival offsets")
+    requests = [Request(i, float(t), int(p), int(o))
+                for i, ((p, o), t) in enumerate(zip(lengths, offsets))]
+    result = simulate_paged(requests, cost, replace(config, record_token_times=True))
+    records = simulated_records(requests, result)
+    return records, max(r.done for r in records) - min(r.sent for r in records)
+
+
+def calibrate(llm, clock=None, **profile_args):
+    """A cost model fitted to ``llm``'s own steps on this machine (chapter 10's calibration:
+    :func:`~pagedlab.sim.calibration.profile`, then a least-squares fit), and the simulator's
+    configuration for ``llm``'s cache and scheduler limits. ``clock`` defaults to the wall
+    clock, which is what a client's timestamps are read on."""
+    import time
+
+    from pagedlab.engine.runner import block_bytes
+    from pagedlab.sim.calibration import fit_cost_model, profile
+    from pagedlab.sim.replay import EngineSettings
+    from pagedlab.timing import copy_bandwidth
+
+    steps = profile(llm, clock=clock or time.monotonic, **profile_args)
+    cost = fit_cost_model(steps, kv_bytes_per_token=block_bytes(llm.model, 1),
+                          swap_bandwidth=copy_bandwidth(1 << 24, "cpu") / 2)
+    return cost, EngineSettings.of(llm).paged_config(cost)
+
+
 def arrival_offsets(n: int, rate: float, burstiness: float = 1.0,
                     rng: np.random.Generator | None = None) -> np.ndarray:
     """When to send each of ``n`` requests, in seconds from the first (which goes at 0).
