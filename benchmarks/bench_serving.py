@@ -44,15 +44,12 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-import openai
 
-from pagedlab.serving_metrics import (PERCENTILES, RequestRecord, arrival_offsets, calibrate,
-                                      parse_goodput, predict, summarize)
+from pagedlab.serving_metrics import (FORCE_LENGTH, PERCENTILES, arrival_offsets, benchmark,
+                                      calibrate, parse_goodput, predict, summarize)
 from pagedlab.sim.traces import load_trace, shared_trace_path, synthetic_requests
 
 RESULTS = Path(__file__).resolve().parent / "results"
-# How each server is told to produce exactly max_tokens tokens.
-FORCE_LENGTH = ("ignore_eos", "generation_config", "none")
 LAUNCHERS = ("pagedlab", "transformers", "transformers-cb")
 
 
@@ -102,59 +99,6 @@ def make_prompt(tokenizer, words: list[str], length: int, rng: np.random.Generat
         else:
             picked.append(words[int(rng.integers(len(words)))])
     raise ValueError(f"could not build a prompt of exactly {length} tokens")
-
-
-def length_fields(force: str, output_len: int) -> dict:
-    """The request's extra fields that make the server generate ``output_len`` tokens."""
-    if force == "ignore_eos":
-        return {"ignore_eos": True}
-    if force == "generation_config":  # transformers serve: a whole GenerationConfig as JSON
-        return {"generation_config": json.dumps({"min_new_tokens": output_len,
-                                                 "max_new_tokens": output_len})}
-    return {}
-
-
-async def one_request(client, model: str, prompt: str, record: RequestRecord, force: str):
-    """Stream one completion, stamping each chunk as it arrives."""
-    record.sent = time.perf_counter()
-    try:
-        stream = await client.completions.create(
-            model=model, prompt=prompt, max_tokens=record.output_len, temperature=0,
-            stream=True, stream_options={"include_usage": True},
-            extra_body=length_fields(force, record.output_len))
-        chunks, usage = 0, None
-        async for chunk in stream:
-            now = time.perf_counter()
-            if chunk.usage is not None:
-                usage = chunk.usage.completion_tokens
-            if chunk.choices:
-                chunks += 1
-                if chunk.choices[0].text:
-                    record.chunk_times.append(now)
-                    record.text += chunk.choices[0].text
-        record.done = time.perf_counter()
-        # The server's count when it reports usage (pagedlab, vLLM); else one token per chunk
-        # (a held-back partial character comes as an empty chunk).
-        record.output_tokens = usage if usage is not None else chunks
-    except (openai.APIError, httpx.HTTPError) as failure:
-        record.error = f"{type(failure).__name__}: {failure}"
-
-
-async def benchmark(base_url: str, model: str, prompts: list[str], lengths, offsets,
-                    force: str = "ignore_eos") -> tuple[list[RequestRecord], float]:
-    """Send ``prompts`` at ``offsets`` seconds from the start; the records and the duration
-    (first send to last completion)."""
-    records = [RequestRecord(p, o) for p, o in lengths]
-    async with openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0,
-                                  timeout=3600) as client:
-        start = time.perf_counter()
-        tasks = []
-        for prompt, record, offset in zip(prompts, records, offsets):
-            await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
-            tasks.append(asyncio.create_task(one_request(client, model, prompt, record, force)))
-        await asyncio.gather(*tasks)
-    end = max([r.done for r in records if r.done is not None], default=time.perf_counter())
-    return records, end - start
 
 
 def served_model(base_url: str) -> str:
