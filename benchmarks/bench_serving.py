@@ -11,10 +11,14 @@ server is asked to ignore EOS (``ignore_eos``, as vLLM and SGLang take it, or a
 It reports throughput, TTFT, TPOT, ITL and end-to-end latency (mean, median, p90, p99) and
 goodput under an SLO (:mod:`pagedlab.serving_metrics`), and writes JSON and a Markdown table
 under ``benchmarks/results/``. ``--launch pagedlab transformers`` starts each server in turn
-on a free port, measures it on the same requests and stops it::
+on a free port, measures it on the same requests and stops it. ``--simulate`` adds the
+simulator's prediction of the same workload (same arrivals and lengths) as a column, from a
+cost model fitted to the engine's steps on this machine, the engine built from
+``--server-args`` as the server builds it::
 
     python benchmarks/bench_serving.py --launch pagedlab transformers --num-prompts 30 \\
         --request-rate 0.5 --goodput ttft:2000 tpot:200
+    python benchmarks/bench_serving.py --launch pagedlab --simulate --num-prompts 30 ...
     python benchmarks/bench_serving.py --base-url http://host:8000 --tokenizer MODEL_DIR
 
 Wall-clock latencies on a shared CPU move with the neighbours' load: compare servers within
@@ -40,15 +44,12 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-import openai
 
-from pagedlab.serving_metrics import (PERCENTILES, RequestRecord, arrival_offsets,
-                                      parse_goodput, summarize)
+from pagedlab.serving_metrics import (FORCE_LENGTH, PERCENTILES, arrival_offsets, benchmark,
+                                      calibrate, parse_goodput, predict, summarize)
 from pagedlab.sim.traces import load_trace, shared_trace_path, synthetic_requests
 
 RESULTS = Path(__file__).resolve().parent / "results"
-# How each server is told to produce exactly max_tokens tokens.
-FORCE_LENGTH = ("ignore_eos", "generation_config", "none")
 LAUNCHERS = ("pagedlab", "transformers", "transformers-cb")
 
 
@@ -100,59 +101,6 @@ def make_prompt(tokenizer, words: list[str], length: int, rng: np.random.Generat
     raise ValueError(f"could not build a prompt of exactly {length} tokens")
 
 
-def length_fields(force: str, output_len: int) -> dict:
-    """The request's extra fields that make the server generate ``output_len`` tokens."""
-    if force == "ignore_eos":
-        return {"ignore_eos": True}
-    if force == "generation_config":  # transformers serve: a whole GenerationConfig as JSON
-        return {"generation_config": json.dumps({"min_new_tokens": output_len,
-                                                 "max_new_tokens": output_len})}
-    return {}
-
-
-async def one_request(client, model: str, prompt: str, record: RequestRecord, force: str):
-    """Stream one completion, stamping each chunk as it arrives."""
-    record.sent = time.perf_counter()
-    try:
-        stream = await client.completions.create(
-            model=model, prompt=prompt, max_tokens=record.output_len, temperature=0,
-            stream=True, stream_options={"include_usage": True},
-            extra_body=length_fields(force, record.output_len))
-        chunks, usage = 0, None
-        async for chunk in stream:
-            now = time.perf_counter()
-            if chunk.usage is not None:
-                usage = chunk.usage.completion_tokens
-            if chunk.choices:
-                chunks += 1
-                if chunk.choices[0].text:
-                    record.chunk_times.append(now)
-                    record.text += chunk.choices[0].text
-        record.done = time.perf_counter()
-        # The server's count when it reports usage (pagedlab, vLLM); else one token per chunk
-        # (a held-back partial character comes as an empty chunk).
-        record.output_tokens = usage if usage is not None else chunks
-    except (openai.APIError, httpx.HTTPError) as failure:
-        record.error = f"{type(failure).__name__}: {failure}"
-
-
-async def benchmark(base_url: str, model: str, prompts: list[str], lengths, offsets,
-                    force: str = "ignore_eos") -> tuple[list[RequestRecord], float]:
-    """Send ``prompts`` at ``offsets`` seconds from the start; the records and the duration
-    (first send to last completion)."""
-    records = [RequestRecord(p, o) for p, o in lengths]
-    async with openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0,
-                                  timeout=3600) as client:
-        start = time.perf_counter()
-        tasks = []
-        for prompt, record, offset in zip(prompts, records, offsets):
-            await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
-            tasks.append(asyncio.create_task(one_request(client, model, prompt, record, force)))
-        await asyncio.gather(*tasks)
-    end = max([r.done for r in records if r.done is not None], default=time.perf_counter())
-    return records, end - start
-
-
 def served_model(base_url: str) -> str:
     return httpx.get(f"{base_url}/v1/models", timeout=30).json()["data"][0]["id"]
 
@@ -201,6 +149,21 @@ def launch(kind: str, model_dir: str, extra: list[str], timeout: float = 600):
             proc.kill()
             proc.wait()
         log.close()
+
+
+def simulate(model_dir: str, server_args: str, lengths, offsets, slo) -> dict:
+    """The simulator's column: the engine the server would run (``python -m pagedlab.serve``
+    given ``server_args``) is built here, its steps timed on the wall clock and fitted, and the
+    simulator serves the workload with that cost model, cache and scheduler limits."""
+    from pagedlab import serve
+
+    llm = serve.engine(serve.parser().parse_args(["--model", model_dir, *server_args.split()]))
+    cost, config = calibrate(llm)
+    records, duration = predict(lengths, offsets, cost, config)
+    fit = {"constant_ms": cost.constant * 1e3, "rms_relative_error": cost.rms_relative_error,
+           **{f"{name}_ms": c * 1e3 for name, c in cost.coefficients.items()}}
+    return {"model": model_dir, "summary": summarize(records, duration, slo), "errors": [],
+            "wrong_length": 0, "fit": fit}
 
 
 def run_one(base_url: str, prompts, lengths, offsets, force: str, slo) -> dict:
@@ -267,6 +230,9 @@ def main(argv=None) -> None:
     parser.add_argument("--force-length", choices=FORCE_LENGTH, default=None,
                         help="how to make outputs their full length (default: generation_"
                              "config for transformers serve, ignore_eos otherwise)")
+    parser.add_argument("--simulate", action="store_true",
+                        help="add the simulator's prediction of the same workload, calibrated "
+                             "on this machine (before any server starts)")
     parser.add_argument("--server-args", default="",
                         help="extra arguments for the launched pagedlab server")
     parser.add_argument("--result-name", default="serving-cpu")
@@ -292,6 +258,9 @@ def main(argv=None) -> None:
                                      else "ignore_eos")
 
     results = {}
+    predicted = None
+    if args.simulate:  # first, while no server competes for the cores
+        predicted = simulate(model_dir, args.server_args, lengths, offsets, slo)
     if args.launch:
         for kind in args.launch:
             extra = args.server_args.split() if kind == "pagedlab" else []
@@ -301,12 +270,15 @@ def main(argv=None) -> None:
     else:
         url = args.base_url or "http://127.0.0.1:8000"
         results[url] = run_one(url, prompts, lengths, offsets, force_for(url), slo)
+    servers = list(results)
+    if predicted is not None:
+        results["simulator"] = predicted
     settings = {
         "dataset": args.dataset, "num_prompts": args.num_prompts,
         "max_prompt_len": args.max_prompt_len, "max_output_len": args.max_output_len,
         "request_rate": args.request_rate, "burstiness": args.burstiness, "seed": args.seed,
         "goodput_slo_ms": {k: v * 1000 for k, v in slo.items()},
-        "force_length": {name: force_for(name) for name in results},
+        "force_length": {name: force_for(name) for name in servers},
         "server_args": args.server_args, "model": model_dir, "endpoint": "/v1/completions",
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "note": args.note,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

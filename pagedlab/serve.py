@@ -11,6 +11,7 @@ it serves SmolLM2-135M-Instruct offline (:func:`pagedlab.checkpoints.smollm2`)::
 """
 
 import argparse
+import dataclasses
 import itertools
 import json
 import time
@@ -31,6 +32,9 @@ SAMPLING_FIELDS = {  # OpenAI request field -> SamplingParams field (same meanin
 }
 
 
+MAX_LOGPROBS = 20  # the most alternatives per token a request may ask for (vLLM's default)
+
+
 class BadRequest(ValueError):
     """Input the server refuses with HTTP 400, naming the field when it can."""
 
@@ -49,6 +53,49 @@ def sampling_params(body: dict, defaults: dict) -> SamplingParams:
         return SamplingParams(**{**defaults, **given})
     except (TypeError, ValueError) as error:
         raise BadRequest(str(error)) from None
+
+
+def logprobs_asked(body: dict, chat: bool) -> int | None:
+    """How many alternatives per token the request wants log-probabilities for, or None:
+    ``logprobs: k`` for completions; ``logprobs: true`` with ``top_logprobs: k`` for chat."""
+    def count(name):
+        k = body.get(name)
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS:
+            raise BadRequest(f"'{name}' must be an integer from 0 to {MAX_LOGPROBS}, "
+                             f"not {k!r}", name)
+        return k
+
+    if not chat:
+        return None if body.get("logprobs") is None else count("logprobs")
+    wanted = body.get("logprobs") or False
+    if not isinstance(wanted, bool):
+        raise BadRequest(f"'logprobs' must be true or false, not {wanted!r}", "logprobs")
+    if body.get("top_logprobs") is not None and not wanted:
+        raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return (0 if body.get("top_logprobs") is None else count("top_logprobs")) if wanted else None
+
+
+def logprobs_of(tokenizer, c, start: int, k: int, chat: bool, offset: int = 0):
+    """OpenAI's ``logprobs`` object for completion ``c``'s tokens from ``start`` on. Chat: a
+    ``content`` list of each token, its log-probability, its UTF-8 bytes and the ``k``
+    likeliest. Completions: the parallel lists ``tokens``, ``token_logprobs``,
+    ``top_logprobs`` (the ``k`` likeliest and the sampled token, as vLLM returns them) and
+    ``text_offset``, counted from ``offset``."""
+    ids, alts = c.token_ids[start:], c.logprobs[start:]
+    name = [tokenizer.decode([i]) for i in ids]
+    if chat:
+        def entry(token_id, logprob):
+            token = tokenizer.decode([token_id])
+            return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+        return {"content": [
+            {**entry(i, a[i]), "top_logprobs": [entry(j, lp) for j, lp in sorted(
+                a.items(), key=lambda item: -item[1])[:k]]}
+            for i, a in zip(ids, alts)]}
+    offsets = list(itertools.accumulate([offset, *map(len, name)]))[:-1]
+    return {"tokens": name, "token_logprobs": [a[i] for i, a in zip(ids, alts)],
+            "top_logprobs": [{tokenizer.decode([j]): lp for j, lp in a.items()} for a in alts],
+            "text_offset": offsets}
 
 
 def build_app(llm: LLM, model_name: str):
@@ -106,6 +153,9 @@ def build_app(llm: LLM, model_name: str):
                 if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
                     prompt = {"prompt_token_ids": prompt}
             params = sampling_params(body, {"temperature": 1.0, "max_tokens": 16})
+            k = logprobs_asked(body, chat)
+            if k is not None:
+                params = dataclasses.replace(params, logprobs=k)
             options = body.get("stream_options") or {}
             if not isinstance(options, dict):
                 raise BadRequest("'stream_options' must be an object", "stream_options")
@@ -118,17 +168,25 @@ def build_app(llm: LLM, model_name: str):
             return error(str(failure), getattr(failure, "param", None))
         created = int(time.time())
 
-        def choices(out, deltas: bool):
+        def choices(out, deltas: bool, seen: dict):
+            """Each completion's choice; ``seen`` maps a completion's index to the tokens and
+            characters whose log-probabilities earlier chunks carried."""
             made = []
             for c in out.outputs:
                 text = c.delta if deltas else c.text
                 if chat:
                     content = {"role": "assistant", "content": text}
-                    made.append({"index": c.index, ("delta" if deltas else "message"): content,
-                                 "finish_reason": c.finish_reason})
+                    choice = {"index": c.index, ("delta" if deltas else "message"): content,
+                              "finish_reason": c.finish_reason}
                 else:
-                    made.append({"index": c.index, "text": text,
-                                 "finish_reason": c.finish_reason})
+                    choice = {"index": c.index, "text": text, "finish_reason": c.finish_reason}
+                if k is not None:
+                    tokens, chars = seen.get(c.index, (0, 0))
+                    choice["logprobs"] = logprobs_of(llm.tokenizer, c, tokens, k, chat, chars)
+                    new = choice["logprobs"]["content" if chat else "tokens"]
+                    seen[c.index] = (len(c.token_ids), chars + sum(
+                        len(t["token"] if chat else t) for t in new))
+                made.append(choice)
             return made
 
         def usage(out):
@@ -154,14 +212,15 @@ def build_app(llm: LLM, model_name: str):
         if not body.get("stream"):
             async for last in timed():
                 pass
-            return {**head, "object": kind, "choices": choices(last, False),
+            return {**head, "object": kind, "choices": choices(last, False, {}),
                     "usage": usage(last)}
 
         async def events():
+            seen: dict = {}
             try:
                 async for out in timed():
                     chunk = {**head, "object": f"{kind}.chunk" if chat else kind,
-                             "choices": choices(out, True)}
+                             "choices": choices(out, True, seen)}
                     yield f"data: {json.dumps(chunk)}\n\n"
                 if options.get("include_usage"):  # OpenAI's last chunk: no choices, the usage
                     chunk = {**head, "object": f"{kind}.chunk" if chat else kind,
@@ -190,7 +249,9 @@ async def _chain(first, rest):
         yield item
 
 
-def main(argv=None) -> None:
+def parser() -> argparse.ArgumentParser:
+    """The server's command line (also read by ``bench_serving.py --simulate``, which builds
+    the same engine in its own process to calibrate the simulator)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None,
                         help="a checkpoint directory (default: SmolLM2-135M-Instruct)")
@@ -205,21 +266,34 @@ def main(argv=None) -> None:
     parser.add_argument("--enable-prefix-caching", action="store_true")
     parser.add_argument("--speculative-config", type=json.loads, default=None,
                         help='JSON, as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 4}\'')
-    args = parser.parse_args(argv)
+    return parser
+
+
+def engine(args: argparse.Namespace) -> LLM:
+    """The engine the server runs for parsed ``args``, on one thread on a CPU (see the
+    Makefile: spinning threads on a shared CPU)."""
     import torch
-    import uvicorn
 
     from pagedlab.device import HAS_CUDA
     from pagedlab.checkpoints import smollm2
 
     if not HAS_CUDA:
-        torch.set_num_threads(1)  # see the Makefile: spinning threads on a shared CPU
-    path = args.model or smollm2()
-    llm = LLM(path, block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
-              speculative_config=args.speculative_config)
-    name = args.served_model_name or str(path).rstrip("/").split("/")[-1]
+        torch.set_num_threads(1)
+    return LLM(args.model or smollm2(), block_size=args.block_size,
+               num_gpu_blocks=args.num_gpu_blocks, max_num_seqs=args.max_num_seqs,
+               max_num_batched_tokens=args.max_num_batched_tokens,
+               max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
+               speculative_config=args.speculative_config)
+
+
+def main(argv=None) -> None:
+    import uvicorn
+
+    from pagedlab.checkpoints import smollm2
+
+    args = parser().parse_args(argv)
+    llm = engine(args)
+    name = args.served_model_name or str(args.model or smollm2()).rstrip("/").split("/")[-1]
     uvicorn.run(build_app(llm, name), host=args.host, port=args.port)
 
 

@@ -15,17 +15,26 @@ read like the ones people quote:
   of one token has TPOT 0 there).
 
 Percentiles interpolate linearly between order statistics (numpy's default), as vLLM's do.
+
+:func:`benchmark` is the client that stamps those times (streaming through the official
+``openai`` client); :func:`predict` is the simulator's run of the same workload, with a cost
+model from :func:`calibrate`, as the records a client would have kept.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import math
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
 PERCENTILES = (90, 99)  # besides the median
 SLO_METRICS = ("ttft", "tpot", "e2el")
+# How a server is told to produce exactly max_tokens tokens (see length_fields).
+FORCE_LENGTH = ("ignore_eos", "generation_config", "none")
 
 
 @dataclass
@@ -140,6 +149,99 @@ def simulated_records(requests, result) -> list[RequestRecord]:
                           done=float(done), output_tokens=int(out))
             for r, sent, times, done, out in zip(requests, result.arrival, result.token_times,
                                                  result.finish, result.output_len)]
+
+
+def predict(lengths, offsets, cost, config) -> tuple[list[RequestRecord], float]:
+    """The simulator's run of a benchmark's workload: request ``i`` of ``lengths[i]`` =
+    (prompt_len, output_len) tokens arriving ``offsets[i]`` seconds in, served by the engine's
+    scheduler under ``config`` (a :class:`~pagedlab.sim.PagedConfig` with the server's cache
+    and limits) with each step priced by ``cost``. Returns the records and the duration as
+    :func:`benchmark` measures them, ready for :func:`summarize`."""
+    from dataclasses import replace
+
+    from pagedlab.sim import Request, simulate_paged
+
+    if len(lengths) != len(offsets):
+        raise ValueError(f"{len(lengths)} requests but {len(offsets)} arrival offsets")
+    requests = [Request(i, float(t), int(p), int(o))
+                for i, ((p, o), t) in enumerate(zip(lengths, offsets))]
+    result = simulate_paged(requests, cost, replace(config, record_token_times=True))
+    records = simulated_records(requests, result)
+    return records, max(r.done for r in records) - min(r.sent for r in records)
+
+
+def calibrate(llm, clock=None, **profile_args):
+    """A cost model fitted to ``llm``'s own steps on this machine (chapter 10's calibration:
+    :func:`~pagedlab.sim.calibration.profile`, then a least-squares fit), and the simulator's
+    configuration for ``llm``'s cache and scheduler limits. ``clock`` defaults to the wall
+    clock, which is what a client's timestamps are read on."""
+    from pagedlab.engine.runner import block_bytes
+    from pagedlab.sim.calibration import fit_cost_model, profile
+    from pagedlab.sim.replay import EngineSettings
+    from pagedlab.timing import copy_bandwidth
+
+    steps = profile(llm, clock=clock or time.monotonic, **profile_args)
+    cost = fit_cost_model(steps, kv_bytes_per_token=block_bytes(llm.model, 1),
+                          swap_bandwidth=copy_bandwidth(1 << 24, "cpu") / 2)
+    return cost, EngineSettings.of(llm).paged_config(cost)
+
+
+def length_fields(force: str, output_len: int) -> dict:
+    """The request's extra fields that make the server generate ``output_len`` tokens."""
+    if force == "ignore_eos":
+        return {"ignore_eos": True}
+    if force == "generation_config":  # transformers serve: a whole GenerationConfig as JSON
+        return {"generation_config": json.dumps({"min_new_tokens": output_len,
+                                                 "max_new_tokens": output_len})}
+    return {}
+
+
+async def one_request(client, model: str, prompt, record: RequestRecord, force: str):
+    """Stream one completion (``prompt``: text or token ids), stamping each chunk on arrival."""
+    import httpx
+    import openai
+
+    record.sent = time.perf_counter()
+    try:
+        stream = await client.completions.create(
+            model=model, prompt=prompt, max_tokens=record.output_len, temperature=0,
+            stream=True, stream_options={"include_usage": True},
+            extra_body=length_fields(force, record.output_len))
+        chunks, usage = 0, None
+        async for chunk in stream:
+            now = time.perf_counter()
+            if chunk.usage is not None:
+                usage = chunk.usage.completion_tokens
+            if chunk.choices:
+                chunks += 1
+                if chunk.choices[0].text:
+                    record.chunk_times.append(now)
+                    record.text += chunk.choices[0].text
+        record.done = time.perf_counter()
+        # The server's count when it reports usage (pagedlab, vLLM); else one token per chunk
+        # (a held-back partial character comes as an empty chunk).
+        record.output_tokens = usage if usage is not None else chunks
+    except (openai.APIError, httpx.HTTPError) as failure:
+        record.error = f"{type(failure).__name__}: {failure}"
+
+
+async def benchmark(base_url: str, model: str, prompts: list[str], lengths, offsets,
+                    force: str = "ignore_eos") -> tuple[list[RequestRecord], float]:
+    """Send ``prompts`` at ``offsets`` seconds from the start; the records and the duration
+    (first send to last completion)."""
+    import openai
+
+    records = [RequestRecord(p, o) for p, o in lengths]
+    async with openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0,
+                                  timeout=3600) as client:
+        start = time.perf_counter()
+        tasks = []
+        for prompt, record, offset in zip(prompts, records, offsets):
+            await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
+            tasks.append(asyncio.create_task(one_request(client, model, prompt, record, force)))
+        await asyncio.gather(*tasks)
+    end = max([r.done for r in records if r.done is not None], default=time.perf_counter())
+    return records, end - start
 
 
 def arrival_offsets(n: int, rate: float, burstiness: float = 1.0,

@@ -98,3 +98,28 @@ def test_the_command_line_writes_tables_and_settings(server, tmp_path, monkeypat
     table = (tmp_path / "serving-test.md").read_text()
     assert "| Successful requests | 3 |" in table and "request_rate: 50.0" in table
     assert idle(llm) == 0
+
+
+def test_simulate_builds_the_servers_engine_and_predicts_the_same_workload(server, monkeypatch):  # noqa: F811
+    """``--simulate``: the engine is built from the server's own command line (its flags
+    reach it), calibrated, and the simulator serves every request to its full length."""
+    from pagedlab import LLM, serve
+
+    _, llm, _ = server
+    built = []
+
+    def tiny_engine(args):  # the tiny model in place of the checkpoint the flags name
+        built.append(args)
+        return LLM(llm.model, tokenizer=llm.tokenizer, block_size=args.block_size,
+                   num_gpu_blocks=128, max_num_seqs=args.max_num_seqs,
+                   max_num_batched_tokens=args.max_num_batched_tokens)
+
+    monkeypatch.setattr(serve, "engine", tiny_engine)
+    lengths = [(12, 3), (30, 5), (7, 1), (20, 4)]
+    column = bench.simulate("unused-dir", "--block-size 8 --max-num-seqs 8 --max-num-batched-tokens 64",
+                            lengths, arrival_offsets(4, 2.0), {"ttft": 60.0})
+    assert (built[0].block_size, built[0].max_num_batched_tokens) == (8, 64)
+    summary = column["summary"]
+    assert summary["completed"] == 4 and summary["total_output_tokens"] == 13
+    assert summary["total_input_tokens"] == 69 and summary["request_goodput"] is not None
+    assert column["fit"]["constant_ms"] > 0

@@ -112,6 +112,56 @@ def test_chat_whole_and_streamed_match_the_engine(server):
     assert idle(llm) == 0
 
 
+def test_completion_logprobs_are_the_engine_s_whole_and_streamed(server):
+    """``logprobs: k`` on /v1/completions: each token's log-probability and its alternatives
+    (the k likeliest and the sampled one) as the engine computes them offline, the same
+    whether streamed or not, with offsets that add up to the text."""
+    url, llm, reference = server
+    prompt = "The capital of France is"
+    want = reference.generate(prompt, SamplingParams(temperature=0, max_tokens=8,
+                                                     ignore_eos=True, logprobs=3),
+                              use_tqdm=False)[0].outputs[0]
+    decode = llm.tokenizer.decode
+    whole = client(url).completions.create(model=NAME, prompt=prompt, logprobs=3, **dict(
+        GREEDY, max_tokens=8)).choices[0].logprobs
+    assert whole.tokens == [decode([i]) for i in want.token_ids]
+    assert whole.token_logprobs == pytest.approx([a[i] for i, a in zip(want.token_ids,
+                                                                      want.logprobs)])
+    assert [sorted(d.values()) for d in whole.top_logprobs] == [
+        pytest.approx(sorted({decode([j]): v for j, v in a.items()}.values()))
+        for a in want.logprobs]
+    assert all(3 <= len(d) <= 4 for d in whole.top_logprobs)
+    assert whole.text_offset == [sum(map(len, whole.tokens[:i])) for i in range(8)]
+    chunks = [c.choices[0].logprobs for c in client(url).completions.create(
+        model=NAME, prompt=prompt, logprobs=3, stream=True, **dict(GREEDY, max_tokens=8))]
+    assert sum((c.tokens for c in chunks), []) == whole.tokens
+    assert sum((c.token_logprobs for c in chunks), []) == pytest.approx(whole.token_logprobs)
+    assert sum((c.text_offset for c in chunks), []) == whole.text_offset
+    assert idle(llm) == 0
+
+
+def test_chat_logprobs_are_the_engine_s_with_the_top_k_in_order(server):
+    url, llm, reference = server
+    messages = [{"role": "user", "content": "Name three primary colors."}]
+    want = reference.chat(messages, SamplingParams(temperature=0, max_tokens=6,
+                                                   ignore_eos=True, logprobs=2),
+                          use_tqdm=False)[0].outputs[0]
+    reply = client(url).chat.completions.create(
+        model=NAME, messages=messages, logprobs=True, top_logprobs=2,
+        **dict(GREEDY, max_tokens=6))
+    content = reply.choices[0].logprobs.content
+    assert [t.logprob for t in content] == pytest.approx(
+        [a[i] for i, a in zip(want.token_ids, want.logprobs)])
+    for t, i, a in zip(content, want.token_ids, want.logprobs):
+        assert t.token == llm.tokenizer.decode([i]) and bytes(t.bytes) == t.token.encode()
+        assert [x.logprob for x in t.top_logprobs] == pytest.approx(
+            sorted(a.values(), reverse=True)[:2])
+        assert t.top_logprobs[0].logprob == pytest.approx(t.logprob)  # greedy: the likeliest
+    plain = client(url).chat.completions.create(model=NAME, messages=messages, **GREEDY)
+    assert plain.choices[0].logprobs is None
+    assert idle(llm) == 0
+
+
 @pytest.mark.parametrize("path, body, field", [
     ("completions", "{not json", None),
     ("completions", {"model": "gpt-4", "prompt": "hi"}, "model"),
@@ -121,6 +171,14 @@ def test_chat_whole_and_streamed_match_the_engine(server):
     ("completions", {"model": NAME}, "prompt"),
     ("chat/completions", {"model": NAME, "messages": [{"role": "wizard", "content": "hi"}]},
      None),
+    ("completions", {"model": NAME, "prompt": "hi", "logprobs": 21}, "logprobs"),
+    ("completions", {"model": NAME, "prompt": "hi", "logprobs": -1}, "logprobs"),
+    ("chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}],
+                          "top_logprobs": 2}, "top_logprobs"),
+    ("chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}],
+                          "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}],
+                          "logprobs": 3}, "logprobs"),
 ])
 def test_bad_input_gets_openai_s_error_and_the_server_serves_on(server, path, body, field):
     url, llm, _ = server

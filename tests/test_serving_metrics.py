@@ -116,3 +116,47 @@ def test_a_simulated_run_prints_in_the_benchmarks_terms():
     assert all(c < r.output_len for c, r in zip(chunks, requests))  # 4 tokens a chunk
     with pytest.raises(ValueError, match="record_token_times"):
         simulated_records(requests, simulate_paged(requests, cost))
+
+
+def test_the_simulators_table_of_a_workload_is_the_one_worked_out_by_hand():
+    """Two requests far apart, each served alone, priced at 0.1 s a step plus 1 ms per
+    prefilled token: the first token comes one prefill step after arrival, then one decode
+    step per token, so every number of the table follows by hand."""
+    from pagedlab.serving_metrics import predict
+    from pagedlab.sim import PagedConfig
+    from pagedlab.sim.calibration import FittedCostModel
+
+    cost = FittedCostModel(0.1, {"prefill_tokens": 0.001}, kv_bytes_per_token=1,
+                           swap_bandwidth=1.0)
+    lengths, offsets = [(100, 5), (200, 3)], [0.0, 10.0]
+    records, duration = predict(lengths, offsets, cost, PagedConfig(num_gpu_blocks=64, swap_space_gib=0))
+    assert [r.output_tokens for r in records] == [5, 3]
+    assert [r.ttft for r in records] == pytest.approx([0.2, 0.3])  # 0.1 + P ms
+    assert [r.tpot for r in records] == pytest.approx([0.1, 0.1])
+    assert [r.e2el for r in records] == pytest.approx([0.2 + 4 * 0.1, 0.3 + 2 * 0.1])
+    assert duration == pytest.approx(10.5)
+    s = summarize(records, duration)
+    assert s["total_output_tokens"] == 8 and s["total_input_tokens"] == 300
+    assert s["itl_ms"]["median"] == pytest.approx(100.0) and s["itl_ms"]["p99"] == pytest.approx(100.0)
+    with pytest.raises(ValueError, match="2 requests but 1 arrival offsets"):
+        predict(lengths, [0.0], cost, PagedConfig(num_gpu_blocks=64, swap_space_gib=0))
+
+
+def test_a_prefill_in_the_step_shows_as_a_long_inter_token_gap():
+    """The ITL tail the chapter explains: a request decoding alone sees a 0.1 s step, until a
+    200-token prompt arrives and its prefill shares a step (0.1 + 0.2 s); a token budget of
+    50 splits that prefill into four steps of 0.15 s, and the longest gap shrinks to match."""
+    from pagedlab.engine import SchedulerConfig
+    from pagedlab.serving_metrics import predict
+    from pagedlab.sim import PagedConfig
+    from pagedlab.sim.calibration import FittedCostModel
+
+    cost = FittedCostModel(0.1, {"prefill_tokens": 0.001}, kv_bytes_per_token=1,
+                           swap_bandwidth=1.0)
+    lengths, offsets = [(10, 20), (200, 2)], [0.0, 0.5]
+    whole, _ = predict(lengths, offsets, cost, PagedConfig(num_gpu_blocks=64, swap_space_gib=0))
+    assert max(whole[0].itl) == pytest.approx(0.3)
+    small = PagedConfig(num_gpu_blocks=64, swap_space_gib=0, scheduler=SchedulerConfig(
+        max_num_batched_tokens=50, max_num_seqs=2))
+    chunked, _ = predict(lengths, offsets, cost, small)
+    assert max(chunked[0].itl) == pytest.approx(0.1 + 0.049)  # 49 prompt tokens beside 1 decode
