@@ -115,8 +115,9 @@ def _quiet_stderr():
 
 def decode_gemms(model, batch: int):
     """(run, flops): a function that runs a decode step's matrix products alone, on the
-    model's own weights, for ``batch`` rows (q, k, v, o, gate, up and down in every layer, and
-    the output layer), and the FLOPs it does: 2 x rows x the weights it multiplies."""
+    model's own weights and in the model's own shapes, for ``batch`` rows (the stacked q-k-v,
+    o, gate, up and down products of every layer, and the output layer), and the FLOPs it
+    does: 2 x rows x the weights it multiplies."""
     a, dev, dtype = model.args, model.device, model.dtype
 
     def rows(width):
@@ -128,9 +129,10 @@ def decode_gemms(model, batch: int):
     @torch.inference_mode()
     def run():
         for attn, mlp in layers:
-            for proj in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
-                F.linear(x, proj.weight, proj.bias)  # [batch, out]
+            F.linear(x, attn.qkv_proj.weight, attn.qkv_proj.bias)  # [batch, (h + 2 kv) D]
             F.linear(heads, attn.o_proj.weight)
+            F.linear(x, mlp.gate_proj.weight)  # [batch, inner]
+            F.linear(x, mlp.up_proj.weight)
             F.linear(inner, mlp.down_proj.weight)
         F.linear(x, model.lm_head.weight)  # [batch, vocab]
 
