@@ -28,7 +28,7 @@ from pagedlab import LLM, SamplingParams
 from pagedlab.device import HAS_CUDA, describe
 from pagedlab.model import from_pretrained
 from pagedlab.models import smollm2
-from pagedlab.profiling import decode_gemms, profile_steps
+from pagedlab.profiling import decode_gemms, decode_work, profile_steps
 from pagedlab.timing import stopwatch
 
 PROMPT_TOKENS = 48
@@ -71,7 +71,29 @@ def bench(model, batch: int, steps: int, repeats: int) -> dict:
             "gemm_gflops": flops / gemm / 1e9, "llm": llm}
 
 
-def markdown(results: list[dict], profile, profile_batch: int, meta: dict) -> str:
+def what_is_left(profile, work, batch: int) -> list[str]:
+    """The profile read against the work each class does, as sentences."""
+    gemm_ms, attention_ms = profile.ms["matrix products"], profile.ms["attention"]
+    context = work.context_tokens / batch
+    return [
+        f"What is left, at batch {batch} (contexts of {context:.0f} tokens on average): "
+        f"attention does {work.attention_flops / work.gemm_flops:.1%} of the matrix products' "
+        f"FLOPs but took {attention_ms / gemm_ms:.0%} of their time. It follows bytes, not "
+        f"FLOPs: each step it reads {work.kv_bytes / 2**20:.0f} MiB of keys and values, "
+        f"{work.kv_bytes / work.weight_bytes:.0%} of the {work.weight_bytes / 2**20:.0f} MiB of "
+        "weights the matrix products read, and eager torch has no CPU operation that reads a "
+        "paged cache in place, so the reference copies them into a padded batch (one read, "
+        "one write) before attention reads them again. A kernel that reads the blocks where "
+        "they are (chapter 7's, on a GPU) saves the copy.",
+        "",
+        f"The other classes, {profile.total_ms - gemm_ms - attention_ms:.1f} ms per step under "
+        f"the profiler, are small ops (the step dispatches {profile.ops_per_step:.0f} aten ops) "
+        "and the Python between them, a few microseconds each whatever the batch: what a "
+        "compiled or captured graph removes.",
+    ]
+
+
+def markdown(results: list[dict], profile, profile_batch: int, meta: dict, work) -> str:
     clock = "wall-clock" if HAS_CUDA else "process CPU"
     lines = [f"# Decode step against its GEMM roofline, {meta['date']}", "",
              f"{meta['device']}; torch {meta['torch']}, {meta['threads']} thread(s); "
@@ -89,6 +111,7 @@ def markdown(results: list[dict], profile, profile_batch: int, meta: dict) -> st
               "(torch.profiler, which slows small ops down):", "",
               "| class | ms per step | share |", "| --- | --- | --- |"]
     lines += [f"| {row} | {ms:.1f} | {share:.1%} |" for row, ms, share in profile.rows()]
+    lines += ["", *what_is_left(profile, work, profile_batch)]
     return "\n".join(lines) + "\n"
 
 
@@ -112,6 +135,7 @@ def main() -> None:
     llms = {r["batch"]: r.pop("llm") for r in results}
     profile_batch = args.profile_batch if args.profile_batch in llms else max(llms)
     profile = profile_steps(llms[profile_batch], 3)
+    work = decode_work(model, [c.context_len for c in llms[profile_batch].last_step.decodes])
     meta = {"device": describe(), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
             "python": platform.python_version(), "threads": torch.get_num_threads(),
             "model": "SmolLM2-135M-Instruct (fp32)" if not HAS_CUDA else
@@ -120,8 +144,9 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"step-{where}.json").write_text(json.dumps(
         {"meta": meta, "results": results, "profile_batch": profile_batch,
-         "profile": {row: ms for row, ms, _ in profile.rows()}}, indent=2))
-    text = markdown(results, profile, profile_batch, meta)
+         "profile": {row: ms for row, ms, _ in profile.rows()},
+         "ops_per_step": profile.ops_per_step, "work": vars(work)}, indent=2))
+    text = markdown(results, profile, profile_batch, meta, work)
     (args.out / f"step-{where}.md").write_text(text)
     print(text)
 

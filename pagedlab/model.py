@@ -292,7 +292,11 @@ def _stacked(fused: str, parts: tuple[str, ...]):
     def hook(module, state_dict, prefix, *_):
         for kind in ("weight", "bias"):
             names = [f"{prefix}{part}.{kind}" for part in parts]
-            if all(name in state_dict for name in names):
+            found = [name in state_dict for name in names]
+            if any(found) and not all(found):
+                raise UnsupportedModel(f"the checkpoint has {names[found.index(True)]} but "
+                                       f"lacks {names[found.index(False)]}")
+            if all(found):
                 stacked = torch.cat([state_dict.pop(name) for name in names])
                 state_dict[f"{prefix}{fused}.{kind}"] = stacked
 

@@ -141,6 +141,37 @@ def decode_gemms(model, batch: int):
     return run, 2 * batch * weights
 
 
+@dataclass
+class DecodeWork:
+    """What a decode step's matrix products and its attention each move and compute: the
+    weights the products read once per step, the keys and values attention reads (every
+    sequence's context, in every layer), and the FLOPs of each."""
+
+    context_tokens: int  # all sequences' together
+    weight_bytes: int
+    kv_bytes: int
+    gemm_flops: int
+    attention_flops: int
+
+
+def decode_work(model, context_lens: list[int]) -> DecodeWork:
+    """:class:`DecodeWork` of one decode step of ``model`` over sequences of ``context_lens``
+    cached tokens: attention does 2 x 2 FLOPs per context token, query head and head dim
+    (q.k, then p.v), in every layer."""
+    from pagedlab.footprint import kv_bytes_per_token
+
+    a, size = model.args, model.dtype.itemsize
+    _, gemm_flops = decode_gemms(model, len(context_lens))
+    tokens = sum(context_lens)
+    return DecodeWork(
+        context_tokens=tokens,
+        weight_bytes=gemm_flops // (2 * len(context_lens)) * size,
+        kv_bytes=tokens * kv_bytes_per_token(a.footprint(), model.dtype),
+        gemm_flops=gemm_flops,
+        attention_flops=4 * tokens * a.num_heads * a.head_dim * a.num_layers,
+    )
+
+
 def gemm_seconds(model, largest: int) -> dict[int, float]:
     """Seconds of a decode step's matrix products alone at batch 1, 2, 4, ... and ``largest``
     (median CPU time on a CPU, ``do_bench`` on a GPU)."""
