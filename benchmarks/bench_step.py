@@ -28,7 +28,7 @@ from pagedlab import LLM, SamplingParams
 from pagedlab.device import HAS_CUDA, describe
 from pagedlab.model import from_pretrained
 from pagedlab.models import smollm2
-from pagedlab.profiling import decode_gemms, decode_work, profile_steps
+from pagedlab.profiling import decode_gemms, decode_work, profile_steps, what_is_left
 from pagedlab.timing import stopwatch
 
 PROMPT_TOKENS = 48
@@ -69,28 +69,6 @@ def bench(model, batch: int, steps: int, repeats: int) -> dict:
             1e3 * max(step_s)], "gemm_ms": 1e3 * gemm, "gemm_range_ms": [1e3 * min(roof_s),
             1e3 * max(roof_s)], "ratio": step / gemm, "gflop": flops / 1e9,
             "gemm_gflops": flops / gemm / 1e9, "llm": llm}
-
-
-def what_is_left(profile, work, batch: int) -> list[str]:
-    """The profile read against the work each class does, as sentences."""
-    gemm_ms, attention_ms = profile.ms["matrix products"], profile.ms["attention"]
-    context = work.context_tokens / batch
-    return [
-        f"What is left, at batch {batch} (contexts of {context:.0f} tokens on average): "
-        f"attention does {work.attention_flops / work.gemm_flops:.1%} of the matrix products' "
-        f"FLOPs but took {attention_ms / gemm_ms:.0%} of their time. It follows bytes, not "
-        f"FLOPs: each step it reads {work.kv_bytes / 2**20:.0f} MiB of keys and values, "
-        f"{work.kv_bytes / work.weight_bytes:.0%} of the {work.weight_bytes / 2**20:.0f} MiB of "
-        "weights the matrix products read, and eager torch has no CPU operation that reads a "
-        "paged cache in place, so the reference copies them into a padded batch (one read, "
-        "one write) before attention reads them again. A kernel that reads the blocks where "
-        "they are (chapter 7's, on a GPU) saves the copy.",
-        "",
-        f"The other classes, {profile.total_ms - gemm_ms - attention_ms:.1f} ms per step under "
-        f"the profiler, are small ops (the step dispatches {profile.ops_per_step:.0f} aten ops) "
-        "and the Python between them, a few microseconds each whatever the batch: what a "
-        "compiled or captured graph removes.",
-    ]
 
 
 def markdown(results: list[dict], profile, profile_batch: int, meta: dict, work) -> str:

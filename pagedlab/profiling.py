@@ -172,6 +172,29 @@ def decode_work(model, context_lens: list[int]) -> DecodeWork:
     )
 
 
+def what_is_left(profile: StepProfile, work: DecodeWork, batch: int) -> list[str]:
+    """The profile of a decode step at ``batch`` read against :func:`decode_work`: two
+    paragraphs, for ``bench_step.py``'s table and chapter 8."""
+    gemm_ms, attention_ms = profile.ms["matrix products"], profile.ms["attention"]
+    context = work.context_tokens / batch
+    return [
+        f"What is left, at batch {batch} (contexts of {context:.0f} tokens on average): "
+        f"attention does {work.attention_flops / work.gemm_flops:.1%} of the matrix products' "
+        f"FLOPs but took {attention_ms / gemm_ms:.0%} of their time. It follows bytes, not "
+        f"FLOPs: each step it reads {work.kv_bytes / 2**20:.0f} MiB of keys and values, "
+        f"{work.kv_bytes / work.weight_bytes:.0%} of the {work.weight_bytes / 2**20:.0f} MiB of "
+        "weights the matrix products read, and eager torch has no CPU operation that reads a "
+        "paged cache in place, so the reference copies them into a padded batch (one read, "
+        "one write) before attention reads them again. A kernel that reads the blocks where "
+        "they are (chapter 7's, on a GPU) saves the copy.",
+        "",
+        f"The other classes, {profile.total_ms - gemm_ms - attention_ms:.1f} ms per step under "
+        f"the profiler, are small ops (the step dispatches {profile.ops_per_step:.0f} aten ops) "
+        "and the Python between them, a few microseconds each whatever the batch: what a "
+        "compiled or captured graph removes.",
+    ]
+
+
 def gemm_seconds(model, largest: int) -> dict[int, float]:
     """Seconds of a decode step's matrix products alone at batch 1, 2, 4, ... and ``largest``
     (median CPU time on a CPU, ``do_bench`` on a GPU)."""
