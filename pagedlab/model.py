@@ -373,7 +373,7 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)). Gate and up stay two matrix products: stacked as
-    one [2 inner, hidden] matrix they ran slower on a CPU (``benchmarks/bench_step.py``)."""
+    one [2 inner, hidden] matrix they ran slower on a CPU (``benchmarks/results/README.md``)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
