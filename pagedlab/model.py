@@ -9,9 +9,10 @@ Attention is where paging enters. Every forward pass first writes the new tokens
 values into the cache with ``reshape_and_cache``; then the prefills attend over their tokens
 (plus any prefix already cached): with the Triton kernels all at once through
 ``paged_attention_varlen`` over the paged cache, with the reference ones each with torch's
-dense causal SDPA; and all decodes attend together through ``paged_attention``. One pass
-serves a batch that mixes prefills and decodes: the linear layers run over all tokens at once,
-only attention tells the sequences apart.
+dense causal SDPA; and all decodes attend together through ``paged_attention`` (with the
+reference, through a ``decode_layout`` of slots and mask built once per step for every layer).
+One pass serves a batch that mixes prefills and decodes: the linear layers run over all tokens
+at once, only attention tells the sequences apart.
 
 ``kernels`` picks the implementation of the cache operations: ``"triton"``
 (:mod:`pagedlab.kernels`) or ``"reference"`` (:mod:`pagedlab.kernels.reference`, plain torch,
