@@ -28,7 +28,7 @@ from pagedlab import LLM, SamplingParams
 from pagedlab.device import HAS_CUDA, describe
 from pagedlab.model import from_pretrained
 from pagedlab.checkpoints import smollm2
-from pagedlab.profiling import decode_gemms, profile_steps
+from pagedlab.profiling import decode_gemms, decode_work, profile_steps, what_is_left
 from pagedlab.timing import stopwatch
 
 PROMPT_TOKENS = 48
@@ -71,7 +71,7 @@ def bench(model, batch: int, steps: int, repeats: int) -> dict:
             "gemm_gflops": flops / gemm / 1e9, "llm": llm}
 
 
-def markdown(results: list[dict], profile, profile_batch: int, meta: dict) -> str:
+def markdown(results: list[dict], profile, profile_batch: int, meta: dict, work) -> str:
     clock = "wall-clock" if HAS_CUDA else "process CPU"
     lines = [f"# Decode step against its GEMM roofline, {meta['date']}", "",
              f"{meta['device']}; torch {meta['torch']}, {meta['threads']} thread(s); "
@@ -89,6 +89,7 @@ def markdown(results: list[dict], profile, profile_batch: int, meta: dict) -> st
               "(torch.profiler, which slows small ops down):", "",
               "| class | ms per step | share |", "| --- | --- | --- |"]
     lines += [f"| {row} | {ms:.1f} | {share:.1%} |" for row, ms, share in profile.rows()]
+    lines += ["", *what_is_left(profile, work, profile_batch)]
     return "\n".join(lines) + "\n"
 
 
@@ -112,6 +113,7 @@ def main() -> None:
     llms = {r["batch"]: r.pop("llm") for r in results}
     profile_batch = args.profile_batch if args.profile_batch in llms else max(llms)
     profile = profile_steps(llms[profile_batch], 3)
+    work = decode_work(model, [c.context_len for c in llms[profile_batch].last_step.decodes])
     meta = {"device": describe(), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
             "python": platform.python_version(), "threads": torch.get_num_threads(),
             "model": "SmolLM2-135M-Instruct (fp32)" if not HAS_CUDA else
@@ -120,8 +122,9 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"step-{where}.json").write_text(json.dumps(
         {"meta": meta, "results": results, "profile_batch": profile_batch,
-         "profile": {row: ms for row, ms, _ in profile.rows()}}, indent=2))
-    text = markdown(results, profile, profile_batch, meta)
+         "profile": {row: ms for row, ms, _ in profile.rows()},
+         "ops_per_step": profile.ops_per_step, "work": vars(work)}, indent=2))
+    text = markdown(results, profile, profile_batch, meta, work)
     (args.out / f"step-{where}.md").write_text(text)
     print(text)
 

@@ -9,9 +9,10 @@ Attention is where paging enters. Every forward pass first writes the new tokens
 values into the cache with ``reshape_and_cache``; then the prefills attend over their tokens
 (plus any prefix already cached): with the Triton kernels all at once through
 ``paged_attention_varlen`` over the paged cache, with the reference ones each with torch's
-dense causal SDPA; and all decodes attend together through ``paged_attention``. One pass
-serves a batch that mixes prefills and decodes: the linear layers run over all tokens at once,
-only attention tells the sequences apart.
+dense causal SDPA; and all decodes attend together through ``paged_attention`` (with the
+reference, through a ``decode_layout`` of slots and mask built once per step for every layer).
+One pass serves a batch that mixes prefills and decodes: the linear layers run over all tokens
+at once, only attention tells the sequences apart.
 
 ``kernels`` picks the implementation of the cache operations: ``"triton"``
 (:mod:`pagedlab.kernels`) or ``"reference"`` (:mod:`pagedlab.kernels.reference`, plain torch,
@@ -199,6 +200,8 @@ class ForwardBatch:
     prefill_start_loc: Tensor | None = None  # int32 [num_prefills + 1]: rows where each starts
     prefill_lens: Tensor | None = None  # int32 [num_prefills]: cached + new tokens
     prefill_tables: Tensor | None = None  # int32 [num_prefills, max_blocks]
+    # The reference's decode_layout (slots, mask), built by the model once per step:
+    decode_layout: tuple[Tensor, Tensor] | None = None
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -217,24 +220,31 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)  # one op for five
         return self.weight * h.to(x.dtype)
 
 
 def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype) -> tuple[Tensor, Tensor]:
-    """cos and sin of each position's rotation angles, [num_tokens, 1, head_dim] each."""
+    """cos and sin of each position's rotation angles, [num_tokens, 1, head_dim] each; the
+    sin's first half negated, as :func:`apply_rope` takes it. Once per step, for every layer."""
     dims = torch.arange(0, head_dim, 2, dtype=torch.float, device=positions.device)
     inv_freq = 1.0 / (theta ** (dims / head_dim))  # [head_dim / 2]
     freqs = positions[:, None].float() * inv_freq  # [num_tokens, head_dim / 2]
     emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [num_tokens, 1, head_dim]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    sin = emb.sin()
+    sin[..., : head_dim // 2].neg_()
+    return emb.cos().to(dtype), sin.to(dtype)
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate each head's (i, i + head_dim/2) pairs; x [num_tokens, heads, head_dim]."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, out: Tensor | None = None) -> Tensor:
+    """Rotate each head's (i, i + head_dim/2) pairs; x [num_tokens, heads, head_dim].
+
+    x * cos + cat(-x2, x1) * sin (transformers' ``rotate_half``), with the sign folded into
+    :func:`rope_cos_sin`'s sin: cat(x2, x1) is a roll by half a head. The same products, so the
+    same bits, in four ops rather than six. ``out`` may be ``x`` itself.
+    """
+    rolled = x.roll(x.shape[-1] // 2, dims=-1)  # [num_tokens, heads, head_dim]
+    return torch.add(x * cos, rolled.mul_(sin), out=out)
 
 
 def prefill_attention(q: Tensor, k: Tensor, v: Tensor, num_cached: int) -> Tensor:
@@ -274,24 +284,44 @@ class FP8Ops:
         )
 
 
+def _stacked(fused: str, parts: tuple[str, ...]):
+    """A ``load_state_dict`` pre-hook: a checkpoint's separate ``parts`` (transformers' q, k and
+    v projections) become one ``fused`` matrix, their rows stacked in that order, so a step runs
+    one matrix product for three and rotates q and k together (vLLM's ``QKVParallelLinear``
+    loads the same way, through ``stacked_params_mapping``)."""
+
+    def hook(module, state_dict, prefix, *_):
+        for kind in ("weight", "bias"):
+            names = [f"{prefix}{part}.{kind}" for part in parts]
+            found = [name in state_dict for name in names]
+            if any(found) and not all(found):
+                raise UnsupportedModel(f"the checkpoint has {names[found.index(True)]} but "
+                                       f"lacks {names[found.index(False)]}")
+            if all(found):
+                stacked = torch.cat([state_dict.pop(name) for name in names])
+                state_dict[f"{prefix}{fused}.{kind}"] = stacked
+
+    return hook
+
+
 class Attention(nn.Module):
-    """Grouped-query attention on the paged cache."""
+    """Grouped-query attention on the paged cache; q, k and v from one matrix product."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
         h, kv, d = args.num_heads, args.num_kv_heads, args.head_dim
-        self.q_proj = nn.Linear(args.hidden_size, h * d, bias=args.qkv_bias)
-        self.k_proj = nn.Linear(args.hidden_size, kv * d, bias=args.qkv_bias)
-        self.v_proj = nn.Linear(args.hidden_size, kv * d, bias=args.qkv_bias)
+        self.qkv_proj = nn.Linear(args.hidden_size, (h + 2 * kv) * d, bias=args.qkv_bias)
         self.o_proj = nn.Linear(h * d, args.hidden_size, bias=False)
+        self.register_load_state_dict_pre_hook(_stacked("qkv_proj", ("q_proj", "k_proj", "v_proj")))
 
     def forward(self, x, cos, sin, kv_cache, batch: ForwardBatch, ops: ModuleType) -> Tensor:
-        n, d = x.shape[0], self.args.head_dim
+        n, d, h = x.shape[0], self.args.head_dim, self.args.num_heads
         key_cache, value_cache = kv_cache  # [num_blocks, block_size, num_kv_heads, D] each
-        q = apply_rope(self.q_proj(x).view(n, -1, d), cos, sin)  # [n, num_heads, D]
-        k = apply_rope(self.k_proj(x).view(n, -1, d), cos, sin)  # [n, num_kv_heads, D]
-        v = self.v_proj(x).view(n, -1, d)  # [n, num_kv_heads, D]
+        qkv = self.qkv_proj(x).view(n, -1, d)  # [n, num_heads + 2 num_kv_heads, D]
+        qk = qkv[:, : -self.args.num_kv_heads]  # q's and k's heads, rotated together, in place
+        apply_rope(qk, cos, sin, out=qk)
+        q, k, v = qkv.split([h, self.args.num_kv_heads, self.args.num_kv_heads], dim=1)
         # The runner built the slots and tables from the manager: checking their values would
         # only cost a device sync per call (check_values=False keeps the shape checks).
         with scope("pagedlab::cache_write"):  # scopes pagedlab.profiling reads
@@ -305,9 +335,10 @@ class Attention(nn.Module):
     def _attend(q, k, v, key_cache, value_cache, batch: ForwardBatch, ops) -> Tensor:
         """Every prefill's queries over its prefix and chunk, then every decode's over its
         cached tokens: [n, num_heads, D]."""
-        n = q.shape[0]
+        n, first = q.shape[0], batch.num_prefill_tokens
+        if first == 0:  # decodes only
+            return Attention._decode(q, key_cache, value_cache, batch, ops)
         out = torch.empty_like(q)  # [n, num_heads, D]
-        first = batch.num_prefill_tokens
         if first and hasattr(ops, "paged_attention_varlen"):  # Triton: every prefill, one launch
             out[:first] = ops.paged_attention_varlen(
                 q[:first], key_cache, value_cache, batch.prefill_tables,
@@ -327,15 +358,23 @@ class Attention(nn.Module):
                 rows = slice(p.start, p.end)
                 out[rows] = prefill_attention(q[rows], keys, values, p.num_cached)
         if first < n:
-            out[first:] = ops.paged_attention(
-                q[first:], key_cache, value_cache, batch.block_tables, batch.seq_lens,
-                check_values=False,
-            )  # [num_decodes, num_heads, D]
+            out[first:] = Attention._decode(q[first:], key_cache, value_cache, batch, ops)
         return out
+
+    @staticmethod
+    def _decode(q, key_cache, value_cache, batch: ForwardBatch, ops) -> Tensor:
+        """The decodes' attention, [num_decodes, num_heads, D]: by the step's decode layout
+        where the model built one (the reference), else through ``paged_attention``."""
+        if batch.decode_layout is not None:
+            return ops.attend_by_slot(q, key_cache, value_cache, *batch.decode_layout,
+                                      q.shape[-1] ** -0.5)
+        return ops.paged_attention(q, key_cache, value_cache, batch.block_tables,
+                                   batch.seq_lens, check_values=False)
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)). Gate and up stay two matrix products: stacked as
+    one [2 inner, hidden] matrix they ran slower on a CPU (``benchmarks/results/README.md``)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -344,7 +383,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(F.silu(self.gate_proj(x)).mul_(self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -359,7 +398,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, kv_cache, batch, ops) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, batch, ops)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x.add_(self.mlp(self.post_attention_layernorm(x)))
 
 
 class Decoder(nn.Module):
@@ -415,6 +454,9 @@ class PagedLlama(nn.Module):
         ops = self.ops if kv_scale is None else FP8Ops(self.fp8_ops, kv_scale)
         x = self.model.embed_tokens(batch.input_ids)  # [num_tokens, hidden]
         cos, sin = rope_cos_sin(batch.positions, a.head_dim, a.rope_theta, x.dtype)
+        if hasattr(ops, "decode_layout") and len(batch.seq_lens):  # the same in every layer
+            block_size = kv_caches[0][0].shape[1]
+            batch.decode_layout = ops.decode_layout(batch.block_tables, batch.seq_lens, block_size)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             x = layer(x, cos, sin, kv_cache, batch, ops)
         return self.model.norm(x)
@@ -448,7 +490,8 @@ def _build(config: dict, state_dict: dict, kernels, dtype, device) -> PagedLlama
 
 def from_hf(hf_model, *, kernels: str | None = None) -> PagedLlama:
     """The weights of a transformers ``LlamaForCausalLM`` or ``Qwen2ForCausalLM``, on the paged
-    cache: same device and dtype, the same tensors (shared, not copied)."""
+    cache: same device and dtype, the same tensors (shared, not copied) but for q, k and v,
+    stacked into one new matrix per layer."""
     name = type(hf_model).__name__
     if name not in ARCHITECTURES.values():
         raise UnsupportedModel(

@@ -115,8 +115,9 @@ def _quiet_stderr():
 
 def decode_gemms(model, batch: int):
     """(run, flops): a function that runs a decode step's matrix products alone, on the
-    model's own weights, for ``batch`` rows (q, k, v, o, gate, up and down in every layer, and
-    the output layer), and the FLOPs it does: 2 x rows x the weights it multiplies."""
+    model's own weights and in the model's own shapes, for ``batch`` rows (the stacked q-k-v,
+    o, gate, up and down products of every layer, and the output layer), and the FLOPs it
+    does: 2 x rows x the weights it multiplies."""
     a, dev, dtype = model.args, model.device, model.dtype
 
     def rows(width):
@@ -128,15 +129,70 @@ def decode_gemms(model, batch: int):
     @torch.inference_mode()
     def run():
         for attn, mlp in layers:
-            for proj in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
-                F.linear(x, proj.weight, proj.bias)  # [batch, out]
+            F.linear(x, attn.qkv_proj.weight, attn.qkv_proj.bias)  # [batch, (h + 2 kv) D]
             F.linear(heads, attn.o_proj.weight)
+            F.linear(x, mlp.gate_proj.weight)  # [batch, inner]
+            F.linear(x, mlp.up_proj.weight)
             F.linear(inner, mlp.down_proj.weight)
         F.linear(x, model.lm_head.weight)  # [batch, vocab]
 
     weights = sum(p.numel() for name, p in model.named_parameters()
                   if name.endswith("proj.weight")) + model.lm_head.weight.numel()
     return run, 2 * batch * weights
+
+
+@dataclass
+class DecodeWork:
+    """What a decode step's matrix products and its attention each move and compute: the
+    weights the products read once per step, the keys and values attention reads (every
+    sequence's context, in every layer), and the FLOPs of each."""
+
+    context_tokens: int  # all sequences' together
+    weight_bytes: int
+    kv_bytes: int
+    gemm_flops: int
+    attention_flops: int
+
+
+def decode_work(model, context_lens: list[int]) -> DecodeWork:
+    """:class:`DecodeWork` of one decode step of ``model`` over sequences of ``context_lens``
+    cached tokens: attention does 2 x 2 FLOPs per context token, query head and head dim
+    (q.k, then p.v), in every layer."""
+    from pagedlab.footprint import kv_bytes_per_token
+
+    a, size = model.args, model.dtype.itemsize
+    _, gemm_flops = decode_gemms(model, len(context_lens))
+    tokens = sum(context_lens)
+    return DecodeWork(
+        context_tokens=tokens,
+        weight_bytes=gemm_flops // (2 * len(context_lens)) * size,
+        kv_bytes=tokens * kv_bytes_per_token(a.footprint(), model.dtype),
+        gemm_flops=gemm_flops,
+        attention_flops=4 * tokens * a.num_heads * a.head_dim * a.num_layers,
+    )
+
+
+def what_is_left(profile: StepProfile, work: DecodeWork, batch: int) -> list[str]:
+    """The profile of a decode step at ``batch`` read against :func:`decode_work`: two
+    paragraphs, for ``bench_step.py``'s table and chapter 8."""
+    gemm_ms, attention_ms = profile.ms["matrix products"], profile.ms["attention"]
+    context = work.context_tokens / batch
+    return [
+        f"What is left, at batch {batch} (contexts of {context:.0f} tokens on average): "
+        f"attention does {work.attention_flops / work.gemm_flops:.1%} of the matrix products' "
+        f"FLOPs but took {attention_ms / gemm_ms:.0%} of their time. It follows bytes, not "
+        f"FLOPs: each step it reads {work.kv_bytes / 2**20:.0f} MiB of keys and values, "
+        f"{work.kv_bytes / work.weight_bytes:.0%} of the {work.weight_bytes / 2**20:.0f} MiB of "
+        "weights the matrix products read, and eager torch has no CPU operation that reads a "
+        "paged cache in place, so the reference copies them into a padded batch (one read, "
+        "one write) before attention reads them again. A kernel that reads the blocks where "
+        "they are (chapter 7's, on a GPU) saves the copy.",
+        "",
+        f"The other classes, {profile.total_ms - gemm_ms - attention_ms:.1f} ms per step under "
+        f"the profiler, are small ops (the step dispatches {profile.ops_per_step:.0f} aten ops) "
+        "and the Python between them, a few microseconds each whatever the batch: what a "
+        "compiled or captured graph removes.",
+    ]
 
 
 def gemm_seconds(model, largest: int) -> dict[int, float]:

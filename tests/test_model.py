@@ -92,6 +92,18 @@ def test_loads_a_saved_checkpoint(tmp_path):
         assert torch.equal(p, q), name
 
 
+def test_q_k_v_load_as_one_stacked_matrix_and_a_missing_one_is_named():
+    hf = tiny_hf("qwen2-gqa-d64")  # biases too
+    attn, ours = hf.model.layers[1].self_attn, from_hf(hf).model.layers[1].self_attn
+    for kind in ("weight", "bias"):
+        parts = [getattr(getattr(attn, f"{p}_proj"), kind) for p in "qkv"]
+        assert torch.equal(getattr(ours.qkv_proj, kind), torch.cat(parts)), kind
+    missing = "model.layers.1.self_attn.v_proj.bias"
+    state = {k: v for k, v in hf.state_dict().items() if k != missing}
+    with pytest.raises(UnsupportedModel, match=f"lacks {missing}"):
+        PagedLlama(from_hf(hf).args).load_state_dict(state, strict=False)
+
+
 def test_model_args_read_the_config():
     hf = tiny_hf("llama-gqa-d64", eos_token_id=[3, 5])
     args = from_hf(hf).args

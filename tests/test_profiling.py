@@ -6,7 +6,7 @@ from _tiny import random_prompts, tiny_hf
 
 from pagedlab import LLM, SamplingParams
 from pagedlab.model import from_hf
-from pagedlab.profiling import ROWS, decode_gemms, floor_speedup, profile_steps
+from pagedlab.profiling import ROWS, decode_gemms, decode_work, floor_speedup, profile_steps
 
 
 def test_a_step_costing_its_rows_gains_what_padding_wastes():
@@ -29,6 +29,20 @@ def test_the_gemm_floor_counts_two_flops_per_weight_and_row():
     weights = sum(p.numel() for name, p in model.named_parameters()
                   if name.endswith("proj.weight")) + model.lm_head.weight.numel()
     assert flops == 2 * 3 * weights
+
+
+def test_a_decode_steps_work_counts_its_weights_and_every_context_token():
+    """Attention reads K and V of each context token in every layer (4 bytes a value in
+    fp32) and does q.k and p.v for each query head; the products read each weight once."""
+    model = from_hf(tiny_hf("llama-gqa-d64"))
+    a, lens = model.args, [5, 9, 2]
+    work = decode_work(model, lens)
+    weights = sum(p.numel() for name, p in model.named_parameters()
+                  if name.endswith("proj.weight")) + model.lm_head.weight.numel()
+    assert work.context_tokens == 16 and work.weight_bytes == 4 * weights
+    assert work.kv_bytes == 16 * a.num_layers * 2 * a.num_kv_heads * a.head_dim * 4
+    assert work.attention_flops == 16 * a.num_layers * a.num_heads * 2 * 2 * a.head_dim
+    assert work.gemm_flops == 2 * len(lens) * weights
 
 
 def test_every_class_of_a_decode_step_is_seen(capfd):

@@ -26,7 +26,10 @@ from pagedlab.kernels.validate import (
     check_swap_blocks,
 )
 
-__all__ = ["gather_kv", "token_slots", "paged_attention", "reshape_and_cache", "copy_blocks", "swap_blocks"]
+__all__ = [
+    "gather_kv", "token_slots", "decode_layout", "attend_by_slot", "paged_attention",
+    "reshape_and_cache", "copy_blocks", "swap_blocks",
+]
 
 
 def gather_kv(cache: Tensor, block_table: Tensor, seq_len: int) -> Tensor:
@@ -56,6 +59,38 @@ def token_slots(block_tables: Tensor, seq_lens: Tensor, block_size: int) -> tupl
     return slots, valid
 
 
+def decode_layout(block_tables: Tensor, seq_lens: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
+    """What a decode step's attention reads, the same in every layer, so a model builds it once
+    per step: each sequence's token slots padded to the longest (int64 [S, T], as
+    :func:`token_slots`) and an additive mask, fp32 [S, 1, 1, T]: 0 on its tokens, -inf on the
+    padding (SDPA on a CPU takes it as it is; a boolean mask it converts in every call)."""
+    slots, valid = token_slots(block_tables, seq_lens, block_size)  # [S, T] each
+    bias = torch.zeros(valid.shape, device=valid.device).masked_fill_(~valid, float("-inf"))
+    return slots, bias[:, None, None, :]
+
+
+def attend_by_slot(query, key_cache, value_cache, slots, bias, scale: float) -> Tensor:
+    """Decode attention given :func:`decode_layout`'s ``slots`` and ``bias``; no checks.
+
+    Every sequence's tokens are gathered by slot (one ``index_select`` per cache, viewed as
+    [num_slots, num_kv_heads, head_dim]) into a [num_seqs, T, ...] batch padded to the longest,
+    the padding masked out of the softmax. The query heads that share a KV head stand where
+    SDPA expects query positions, so each KV head is read once for its whole group.
+    """
+    num_seqs, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    keys, values = (
+        cache.flatten(0, 1).index_select(0, slots.view(-1))  # a view unless cache is strided
+        .view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2).float()
+        for cache in (key_cache, value_cache)
+    )  # [S, num_kv_heads, T, D] each
+    out = F.scaled_dot_product_attention(
+        query.float().view(num_seqs, num_kv_heads, -1, head_dim),  # a group's heads as rows
+        keys, values, attn_mask=bias, scale=scale,
+    )  # [S, num_kv_heads, group, D]: softmax over each sequence's own tokens, in fp32
+    return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
+
+
 def paged_attention(
     query, key_cache, value_cache, block_tables, seq_lens, *, scale=None, check_values=True
 ):
@@ -64,33 +99,16 @@ def paged_attention(
     query [num_seqs, num_heads, head_dim] -> [num_seqs, num_heads, head_dim] in query's dtype.
     Query head h reads KV head h // (num_heads // num_kv_heads) (MHA, GQA and MQA alike).
     ``check_values=False`` skips the checks that read seq_lens and block_tables, for a caller
-    that built them (every function here takes it, as the Triton ones do).
-
-    The whole batch at once: every sequence's tokens are gathered by slot (one
-    ``index_select`` over the cache viewed as [num_slots, num_kv_heads, head_dim]) into a
-    [num_seqs, T, ...] batch padded to the longest, the padding masked out of the softmax. The
-    query heads that share a KV head stand where SDPA expects query positions, so each KV head
-    is read once for its whole group.
+    that built them (every function here takes it, as the Triton ones do). The whole batch at
+    once: :func:`decode_layout`, then :func:`attend_by_slot`.
     """
     scale = check_paged_attention(
         query, key_cache, value_cache, block_tables, seq_lens, scale, check_values=check_values
     )
-    num_seqs, num_heads, head_dim = query.shape
-    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    if num_seqs == 0:
+    if query.shape[0] == 0:
         return query.new_empty(query.shape)
-    slots, valid = token_slots(block_tables, seq_lens, block_size)  # [S, T] each
-    keys, values = (
-        cache.flatten(0, 1).index_select(0, slots.view(-1))  # a view unless cache is strided
-        .view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2).float()
-        for cache in (key_cache, value_cache)
-    )  # [S, num_kv_heads, T, D] each
-    group = num_heads // num_kv_heads
-    out = F.scaled_dot_product_attention(
-        query.float().view(num_seqs, num_kv_heads, group, head_dim),  # a group's heads as rows
-        keys, values, attn_mask=valid[:, None, None, :], scale=scale,
-    )  # [S, num_kv_heads, group, D]: softmax over each sequence's own tokens, in fp32
-    return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
+    layout = decode_layout(block_tables, seq_lens, key_cache.shape[1])
+    return attend_by_slot(query, key_cache, value_cache, *layout, scale)
 
 
 def reshape_and_cache(
@@ -107,10 +125,12 @@ def reshape_and_cache(
     keep = slot_mapping >= 0  # [num_tokens]: padding tokens own no slot
     if not bool(keep.all()):
         slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]  # [num_kept, ...]
-    block_size = key_cache.shape[1]
-    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size  # [num_kept] each
-    key_cache[blocks, offsets] = key  # [num_kept, num_kv_heads, head_dim]
-    value_cache[blocks, offsets] = value
+    num_blocks, block_size = key_cache.shape[:2]
+    for cache, new in ((key_cache, key), (value_cache, value)):
+        if cache.stride(0) == block_size * cache.stride(1):  # slots merge into one dim: a view
+            cache.view(num_blocks * block_size, *cache.shape[2:]).index_copy_(0, slot_mapping, new)
+        else:
+            cache[slot_mapping // block_size, slot_mapping % block_size] = new  # [num_kept, H, D]
 
 
 def copy_blocks(key_caches, value_caches, block_mapping, *, check_values=True) -> None:
