@@ -137,7 +137,8 @@ class Scheduler:
     """Continuous batching with preemption, in the order of ``config.policy`` (FCFS by
     default); one instance per engine or simulation."""
 
-    def __init__(self, manager: KVCacheManager, config: SchedulerConfig | None = None):
+    def __init__(self, manager: KVCacheManager, config: SchedulerConfig | None = None,
+                 proposer=None):
         self.manager = manager
         self.config = config or SchedulerConfig()
         self.waiting: deque[SequenceGroup] = deque()  # waiting and swapped: in policy order
@@ -146,7 +147,7 @@ class Scheduler:
         self.unfinished: dict[str, SequenceGroup] = {}  # by request id, whatever their queue
         self.num_steps = 0
         spec = self.config.speculative_config
-        self.proposer = None if spec is None else spec.proposer()
+        self.proposer = None if spec is None else proposer or spec.proposer()
         self.spec_stats = SpecDecodingStats()
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
@@ -232,6 +233,8 @@ class Scheduler:
         for seq in group.live:
             if seq.seq_id in self.manager:
                 self.manager.free(seq.seq_id)
+            if self.proposer is not None:
+                self.proposer.free(seq.seq_id)
             seq.finish_reason = reason
         self._finished(group)
 
@@ -315,6 +318,7 @@ class Scheduler:
         verification rejects; until then no block holding one enters the prefix cache."""
         k_max, left = self.config.speculative_config.num_speculative_tokens, self._budget_left(step)
         index = {c.seq.seq_id: i for i, c in enumerate(step.decodes)}
+        self.proposer.start_step([s for g in step.groups if not g.is_beam_search for s in g.live])
         for group in step.groups:
             if group.is_beam_search:
                 continue
@@ -322,7 +326,7 @@ class Scheduler:
                 k = min(k_max, left, self.manager.room(seq.seq_id),
                         group.params.max_tokens - len(seq.output_token_ids) - 1,  # the bonus
                         k_max if group.max_len is None else group.max_len - len(seq) - 1)
-                draft = self.proposer.propose(seq.token_ids, k) if k > 0 else []
+                draft = self.proposer.propose(seq.token_ids, k, seq.seq_id) if k > 0 else []
                 if draft:
                     self.manager.append(seq.seq_id, draft, num_speculative=len(draft))
                     step.decodes[index[seq.seq_id]] = Chunk.of(
@@ -455,6 +459,9 @@ class Scheduler:
                 self.manager.free(seq_id)
             group.status = GroupStatus.WAITING
             enqueue(self.config.policy, self.waiting, group)  # FCFS: before later arrivals
+        if self.proposer is not None:  # a draft model's cache
+            for seq_id in ids:
+                self.proposer.free(seq_id)
         step.preempted.append((group, mode))
 
     # --- block, token and seat arithmetic ---------------------------------------------------
@@ -570,6 +577,8 @@ class Scheduler:
                 self.spec_stats.observe(proposed, len(child.accepted))
                 group.metrics.num_draft_tokens += proposed
                 group.metrics.num_accepted_tokens += len(child.accepted)
+            if self.proposer is not None:  # a draft's cache keeps what the target's kept
+                self.proposer.keep(seq.seq_id, len(seq) + len(child.accepted))
             for token, logprob, top in [*child.accepted, (child.token, child.logprob, child.top)]:
                 seq.append(token, logprob, top)
                 if not group.is_beam_search:
@@ -592,3 +601,5 @@ class Scheduler:
         else:
             return
         self.manager.free(seq.seq_id)
+        if self.proposer is not None:
+            self.proposer.free(seq.seq_id)
