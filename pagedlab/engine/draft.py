@@ -74,7 +74,8 @@ class DraftModelProposer(Proposer):
         spare = m.num_free_blocks
         for seq in seqs:
             context = seq.token_ids
-            start = self._sync(seq.seq_id, context)
+            # keep() left its cache a prefix of the sequence, short of the last token
+            start = m.num_tokens(seq.seq_id) if seq.seq_id in m else 0
             need = cdiv(len(context) + self.k - 1, m.block_size) - cdiv(start, m.block_size)
             if need > spare:  # no room for its context and guesses: no guesses this step
                 continue
@@ -111,22 +112,6 @@ class DraftModelProposer(Proposer):
         if seq_id in self.manager:
             self.manager.free(seq_id)
         self.drafts.pop(seq_id, None)
-
-    def _sync(self, seq_id, context: list[int]) -> int:
-        """Cut the draft's cache for ``seq_id`` to its longest prefix of ``context`` (less its
-        last token, whose logits are needed); return the tokens kept (0: it holds none)."""
-        if seq_id not in self.manager:
-            return 0
-        held = self.manager.token_ids(seq_id)
-        keep = 0
-        limit = min(len(held), len(context) - 1)
-        while keep < limit and held[keep] == context[keep]:
-            keep += 1
-        if keep == 0:
-            self.manager.free(seq_id)
-        elif keep < len(held):
-            self.manager.truncate(seq_id, keep)
-        return keep
 
     def _forward(self, step: Step) -> dict[int, int]:
         """The draft's argmax after each chunk of ``step``, by sequence id."""
