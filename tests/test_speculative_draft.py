@@ -302,3 +302,28 @@ def test_sampled_speculation_with_a_draft_follows_the_target(case):
     stats = llm.scheduler.spec_stats
     assert stats.num_drafts >= n and 0 < stats.acceptance_rate < 1
     assert llm.scheduler.proposer.manager.num_used_blocks == 0
+
+
+def test_serve_takes_the_draft_method_on_its_command_line(case, tmp_path, monkeypatch):
+    """``python -m pagedlab.serve --speculative-config '{"method": "draft_model", ...}'``
+    builds an engine that drafts with the model's first layers (the server itself is not
+    started: the engine it would serve is checked)."""
+    pytest.importorskip("fastapi", reason="the server's extra is not installed")
+    import json
+
+    import uvicorn
+
+    from pagedlab import serve
+
+    case["hf"].save_pretrained(tmp_path)
+    built = {}
+    monkeypatch.setattr(serve, "build_app", lambda llm, name: built.setdefault("llm", llm))
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: None)
+    serve.main(["--model", str(tmp_path), "--block-size", "4", "--num-gpu-blocks", "64",
+                "--speculative-config", json.dumps(draft_config(2))])
+    llm = built["llm"]
+    assert isinstance(llm.scheduler.proposer, DraftModelProposer)
+    assert llm.scheduler.proposer.model.args.num_layers == 2
+    outs = llm.generate(case["prompts"], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == case["refs"]
+    assert llm.scheduler.spec_stats.num_draft_tokens > 0
