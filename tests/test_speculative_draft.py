@@ -275,7 +275,7 @@ def test_rejection_sampling_with_the_drafts_distribution_emits_the_targets(case)
 
 
 def test_sampled_speculation_with_a_draft_follows_the_target(case):
-    """Three tokens at temperature 1, top-k 2, drafted by the 1-layer model (its argmax, a
+    """Three tokens at temperature 1, top-k 2, drafted by the 3-layer model (its argmax, a
     point mass), over 1,200 seeded requests: frequencies against transformers' exact
     probabilities of the 8 outcomes."""
     hf, prompt = case["hf"], case["prompts"][2][:6]
@@ -292,7 +292,7 @@ def test_sampled_speculation_with_a_draft_follows_the_target(case):
                 exact[(a, b, c)] = pa * pb * pc
     n = 1200
     llm = LLM(case["model"], block_size=4, num_gpu_blocks=1024, max_num_seqs=512,
-              max_num_batched_tokens=4096, speculative_config=draft_config(1, k=2))
+              max_num_batched_tokens=4096, speculative_config=draft_config(3, k=2))
     params = [SamplingParams(temperature=1.0, top_k=2, max_tokens=3, seed=s) for s in range(n)]
     outs = llm.generate([prompt] * n, params, use_tqdm=False)
     counts = Counter(tuple(o.outputs[0].token_ids) for o in outs)
