@@ -12,8 +12,8 @@ that leaves the batch gives its blocks back.
 final norm and its head, sharing their weights (self-speculation without training, the
 draft LayerSkip trains a model to be good at).
 
-Guesses are the draft's argmax, a point mass for the rejection rule, as vLLM V1's drafts
-are; sampling the guesses from the draft's distribution would raise acceptance for sampled
+Guesses are the draft's argmax, a point mass for the rejection rule (which is exact for any
+guess); sampling them from the draft's distribution would raise acceptance for sampled
 requests but needs the draft's probabilities carried to the sampler.
 """
 
