@@ -20,6 +20,7 @@ from pagedlab import LLM, SamplingParams
 from pagedlab.engine.step import run_step
 from pagedlab.engine.speculative import (
     NgramProposer,
+    Proposer,
     SpecDecodingStats,
     SpeculativeConfig,
     verify_greedy,
@@ -140,14 +141,14 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
 
 
-class Oracle:
+class Oracle(Proposer):
     """Proposes the reference continuation, each guess corrupted with probability ``noise``:
     every accept length occurs. Knows the references by prompt."""
 
     def __init__(self, refs: dict, noise: float, seed: int = 0):
         self.refs, self.noise, self.rng = refs, noise, random.Random(seed)
 
-    def propose(self, token_ids, k):
+    def propose(self, token_ids, k, seq_id=None):
         for prompt, ref in self.refs.items():
             if tuple(token_ids[:len(prompt)]) == prompt:
                 done = len(token_ids) - len(prompt)
@@ -293,8 +294,8 @@ def test_sampled_speculation_follows_the_models_distribution(case):
                 exact[(a, b, c)] = pa * pb * pc
     guess = top2(prompt + [ids1[0]])[0][1]  # the less likely second token after the likelier first
 
-    class Fixed:
-        def propose(self, token_ids, k):
+    class Fixed(Proposer):
+        def propose(self, token_ids, k, seq_id=None):
             return [guess][:k]
 
     n = 1200

@@ -183,7 +183,9 @@ class LLM:
             num_gpu_blocks, block_size, num_cpu_blocks,
             enable_prefix_caching, record_events=record_events,
         )
-        self.scheduler = Scheduler(self.manager, self.config)
+        spec = self.config.speculative_config  # a draft model is cut from the target
+        self.scheduler = Scheduler(self.manager, self.config, spec and spec.proposer(
+            model, block_size, self.manager.num_gpu_blocks))
         self.runner = ModelRunner(model, block_size, self.manager.num_gpu_blocks, num_cpu_blocks,
                                   kv_cache_dtype, kv_scale, decode_batch_sizes, cuda_graphs,
                                   max_blocks=self.manager.num_gpu_blocks if not self.max_model_len

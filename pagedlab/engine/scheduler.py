@@ -74,7 +74,8 @@ class Scheduler:
     """Continuous batching with preemption, in the order of ``config.policy`` (FCFS by
     default); one instance per engine or simulation."""
 
-    def __init__(self, manager: KVCacheManager, config: SchedulerConfig | None = None):
+    def __init__(self, manager: KVCacheManager, config: SchedulerConfig | None = None,
+                 proposer=None):
         self.manager = manager
         self.config = config or SchedulerConfig()
         self.waiting: deque[SequenceGroup] = deque()  # waiting and swapped: in policy order
@@ -83,7 +84,7 @@ class Scheduler:
         self.unfinished: dict[str, SequenceGroup] = {}  # by request id, whatever their queue
         self.num_steps = 0
         spec = self.config.speculative_config
-        self.proposer = None if spec is None else spec.proposer()
+        self.proposer = None if spec is None else proposer or spec.proposer()
         self.spec_stats = SpecDecodingStats()
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
@@ -167,11 +168,17 @@ class Scheduler:
             queue.remove(group)
         for seq in group.live:
             if seq.seq_id in self.manager:
-                self.manager.free(seq.seq_id)
+                self._free(seq.seq_id)
             seq.finish_reason = reason
         group.status, group.error = GroupStatus.FINISHED, error
         group.metrics.finished_time = time.monotonic()
         self.unfinished.pop(group.request_id, None)
+
+    def _free(self, seq_id: int) -> None:
+        """Give back a sequence's blocks, and its draft model's (speculative decoding)."""
+        self.manager.free(seq_id)
+        if self.proposer is not None:
+            self.proposer.free(seq_id)
 
     def _fail(self, group: SequenceGroup, error: Exception, step: Step) -> None:
         """Rule 6: a request that can never run finishes with ``error``; the others go on."""
@@ -247,6 +254,7 @@ class Scheduler:
         verification rejects; until then no block holding one enters the prefix cache."""
         k_max, left = self.config.speculative_config.num_speculative_tokens, self._budget_left(step)
         index = {c.seq.seq_id: i for i, c in enumerate(step.decodes)}
+        self.proposer.start_step([s for g in step.groups if not g.is_beam_search for s in g.live])
         for group in step.groups:
             if group.is_beam_search:
                 continue
@@ -254,7 +262,7 @@ class Scheduler:
                 k = min(k_max, left, self.manager.room(seq.seq_id),
                         group.params.max_tokens - len(seq.output_token_ids) - 1,  # the bonus
                         k_max if group.max_len is None else group.max_len - len(seq) - 1)
-                draft = self.proposer.propose(seq.token_ids, k) if k > 0 else []
+                draft = self.proposer.propose(seq.token_ids, k, seq.seq_id) if k > 0 else []
                 if draft:
                     self.manager.append(seq.seq_id, draft, num_speculative=len(draft))
                     step.decodes[index[seq.seq_id]] = Chunk.of(
@@ -373,9 +381,12 @@ class Scheduler:
         else:
             mode = "recompute"  # also the fallback when the CPU pool is full
             for seq_id in ids:
-                self.manager.free(seq_id)
+                self._free(seq_id)
             group.status = GroupStatus.WAITING
             enqueue(self.config.policy, self.waiting, group)  # FCFS: before later arrivals
+        if self.proposer is not None and mode == "swap":  # a draft's cache is not swapped
+            for seq_id in ids:
+                self.proposer.free(seq_id)
         step.preempted.append((group, mode))
 
     # --- block, token and seat arithmetic ---------------------------------------------------
@@ -430,7 +441,7 @@ class Scheduler:
             group = out.group
             if out.done:  # beam search over: the finished beams are in group.completed
                 for seq in group.live:
-                    self.manager.free(seq.seq_id)
+                    self._free(seq.seq_id)
                 group.seqs = []
             else:
                 self._apply(group, out.children)
@@ -460,7 +471,7 @@ class Scheduler:
             plan.append((seq, child))
         for seq in group.live:
             if seq.seq_id not in kept:
-                self.manager.free(seq.seq_id)
+                self._free(seq.seq_id)
         group.seqs = [s for s in group.seqs if s.is_finished] + [seq for seq, _ in plan]
         if plan and group.metrics.first_token_time is None:
             group.metrics.first_token_time = time.monotonic()
@@ -471,8 +482,10 @@ class Scheduler:
                 self.spec_stats.observe(proposed, len(child.accepted))
                 group.metrics.num_draft_tokens += proposed
                 group.metrics.num_accepted_tokens += len(child.accepted)
+            if self.proposer is not None:  # a draft's cache keeps what the target's kept
+                self.proposer.keep(seq.seq_id, len(seq) + len(child.accepted))
             for token, logprob, top in [*child.accepted, (child.token, child.logprob, child.top)]:
                 seq.append(token, logprob, top)
                 if not group.is_beam_search and group.stops(seq):
-                    self.manager.free(seq.seq_id)
+                    self._free(seq.seq_id)
                     break

@@ -11,7 +11,11 @@ al. (2023) and Chen et al. (2023): accept guess ``x`` drawn from ``q`` with prob
 ``min(1, p(x) / q(x))``; at the first rejection draw from ``max(p - q, 0)`` renormalized;
 after ``k`` acceptances draw the bonus token from ``p``. Each emitted token is then
 distributed exactly as the target's ``p`` (chapter 12 proves it). A proposal that is not
-random (n-gram lookup) is a point mass: ``q(x) = 1``.
+random (n-gram lookup, a draft model's argmax) is a point mass: ``q(x) = 1``.
+
+Proposers share the small interface of :class:`Proposer`. A draft model
+(:mod:`pagedlab.engine.draft`) keeps K/V of its own, so it also hears which proposals were
+accepted and when a sequence leaves the running batch.
 
 The paged cache's side (slots reserved for the guesses, rolled back when they are rejected,
 never cached before they are verified) is the scheduler's and the manager's:
@@ -28,20 +32,23 @@ from torch import Tensor
 
 from pagedlab._checks import check_positive
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """vLLM's ``speculative_config`` fields for n-gram prompt lookup: propose up to
+    """vLLM's ``speculative_config`` fields. ``"ngram"``: propose up to
     ``num_speculative_tokens`` tokens that followed the latest earlier occurrence of the
     sequence's last ``n`` tokens, for the longest ``n`` from ``prompt_lookup_max`` down to
-    ``prompt_lookup_min`` that occurs."""
+    ``prompt_lookup_min`` that occurs. ``"draft_model"``: the target's first ``draft_layers``
+    layers, its final norm and its head guess greedily, on a paged cache of their own (an
+    early-exit draft; ``draft_layers`` is pagedlab's field, vLLM names a separate ``model``)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
+    draft_layers: int | None = None
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -51,6 +58,14 @@ class SpeculativeConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min={self.prompt_lookup_min} must be at most "
                              f"prompt_lookup_max={self.prompt_lookup_max}")
+        if self.method == "draft_model":
+            if self.draft_layers is None:
+                raise ValueError("speculative method 'draft_model' needs draft_layers, the "
+                                 "number of the target's layers the draft keeps")
+            check_positive("draft_layers", self.draft_layers, integer=True)
+        elif self.draft_layers is not None:
+            raise ValueError(f"draft_layers={self.draft_layers} is for method 'draft_model', "
+                             f"not {self.method!r}")
 
     @classmethod
     def of(cls, config: SpeculativeConfig | dict | None) -> SpeculativeConfig | None:
@@ -64,11 +79,40 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config has unknown fields {sorted(unknown)}")
         return cls(**config)
 
-    def proposer(self) -> NgramProposer:
-        return NgramProposer(self.prompt_lookup_min, self.prompt_lookup_max)
+    def proposer(self, model=None, block_size: int = 16, num_blocks: int = 1024) -> Proposer:
+        """The configured proposer; a draft model is cut from the target ``model`` and gets
+        a cache of ``num_blocks`` blocks of ``block_size`` tokens."""
+        if self.method == "ngram":
+            return NgramProposer(self.prompt_lookup_min, self.prompt_lookup_max)
+        if model is None:
+            raise ValueError("speculative method 'draft_model' needs the target model: "
+                             "an LLM builds its proposer (the simulator has none)")
+        from pagedlab.engine.draft import DraftModelProposer, early_exit
+
+        return DraftModelProposer(early_exit(model, self.draft_layers), block_size, num_blocks,
+                                  self.num_speculative_tokens)
 
 
-class NgramProposer:
+class Proposer:
+    """What the scheduler asks of a proposer. Only :meth:`propose` is required; the hooks
+    are for a proposer with state per sequence (a draft model's cache), and do nothing here."""
+
+    def start_step(self, seqs) -> None:
+        """The step's decoding sequences, before any is asked: a model drafts them together."""
+
+    def propose(self, token_ids: list[int], k: int, seq_id=None) -> list[int]:
+        """Up to ``k`` guesses for the tokens after ``token_ids`` (sequence ``seq_id``)."""
+        raise NotImplementedError
+
+    def keep(self, seq_id, num_tokens: int) -> None:
+        """Verification kept the first ``num_tokens`` tokens of ``seq_id`` (the rest of what
+        it was proposed was rejected)."""
+
+    def free(self, seq_id) -> None:
+        """``seq_id`` left the running batch (finished, aborted or preempted)."""
+
+
+class NgramProposer(Proposer):
     """Prompt lookup: the tokens that followed the latest earlier occurrence of the context's
     last ``n`` tokens (longest ``n`` first). Cheap and model-free; it pays where the output
     copies its input (editing, summarising, code), and proposes nothing elsewhere."""
@@ -76,7 +120,7 @@ class NgramProposer:
     def __init__(self, min_n: int = 1, max_n: int = 4):
         self.min_n, self.max_n = min_n, max_n
 
-    def propose(self, token_ids: list[int], k: int) -> list[int]:
+    def propose(self, token_ids: list[int], k: int, seq_id=None) -> list[int]:
         """``k`` guesses for the tokens after ``token_ids`` (none if no n-gram recurs).
 
         The guesses copy what followed the match; a match that ends less than ``k`` tokens
