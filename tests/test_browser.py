@@ -328,3 +328,49 @@ def test_built_chapter_numbers_its_equations_from_1(chapter):
     numbers = re.findall(r'<span class="eqno">\((\d+)\)', html)
     labels = re.findall(r"^\$\$ *\((eq-[\w-]+)\)|^:label: *(eq-[\w-]+)", chapter.read_text(), re.M)
     assert numbers == [str(i) for i in range(1, len(labels) + 1)]
+
+
+# Sets the calculator's controls as a reader would (a change event each) and reads its summary.
+CALCULATOR_JS = """([root, settings]) => settings.map((s) => {
+  for (const [key, value] of Object.entries(s)) {
+    const control = root.querySelector(`[data-key=${key}]`);
+    control.value = String(value);
+    control.dispatchEvent(new Event("change"));
+  }
+  return root.querySelector("pre").textContent;
+})"""
+
+
+def test_calculator_computes_in_the_page(server, browser):
+    """Chapter 1's calculator works with no kernel: its page recomputes the summary as
+    kv_summary does, for every preset, KV dtype, GPU, GPU count and weight dtype at three
+    context lengths; a reader's choice in a menu changes it."""
+    import itertools
+
+    from pagedlab.viz.kv_calculator import CHOICES, DEFAULTS, kv_summary
+
+    def expected(setting):
+        try:
+            return kv_summary(**setting)
+        except ValueError as err:  # a GPU count that cannot split the model's KV heads
+            return str(err)
+
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    try:
+        page.goto(f"{server}/book/ch01_memory_wall.html", wait_until="load")
+        root = page.query_selector(".pagedlab-calculator")
+        assert root is not None, "chapter 1 shows no calculator that works without a kernel"
+        shown = root.query_selector("pre").text_content()
+        assert shown == kv_summary(**DEFAULTS)
+        root.query_selector("[data-key=model]").select_option("Llama-3-8B")
+        root.query_selector("[data-key=context_len]").fill("4096")
+        moved = root.query_selector("pre").text_content()
+        assert moved == kv_summary(**{**DEFAULTS, "model": "Llama-3-8B", "context_len": 4096})
+        keys = list(CHOICES)
+        settings = [{**dict(zip(keys, combo)), "context_len": n}
+                    for combo in itertools.product(*CHOICES.values()) for n in (1, 2048, 131_072)]
+        texts = page.evaluate(CALCULATOR_JS, [root, settings])
+    finally:
+        page.close()
+    wrong = [(s, t, expected(s)) for s, t in zip(settings, texts) if t != expected(s)]
+    assert not wrong, f"{len(wrong)} of {len(settings)} settings differ; first: {wrong[0]}"
