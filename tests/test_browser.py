@@ -5,7 +5,8 @@ A page fails on a console error or an uncaught exception, on a block player whos
 put when its controls are used, and on anything a reader cannot see at 1280 px: a table, a
 code or output block (`pre`, a source listing) wider than its box, whether cut off or scrolled
 sideways (a scrollbar hides what the prose quotes); a figure whose text shows under 9 px. At
-400 px a page must not scroll sideways. Collapsed outputs are opened before they are measured. The
+400 px a page must not scroll sideways, and an SVG figure's text (a block view's) must still
+show at 9 px or more, in a box that scrolls sideways if need be. Collapsed outputs are opened before they are measured. The
 scripts a page loads from a CDN (MathJax, require.js, the widget manager) are served from the
 same versions' npm packages, fetched once into `_build/cdn`, so the test sees what an online
 reader sees without depending on those hosts. Screenshots at 1280 px go to `_build/screenshots`.
@@ -119,7 +120,7 @@ def browser():
 # (pagedlab.viz.style's fonts are 9 pt or more; a chapter's legend goes down to 7 pt), so it
 # fails when shown too small for that to read at 9 px.
 PNG_MIN_PT = 7
-MEASURE_JS = """async () => {
+MEASURE_JS = """async ({layout, pngs}) => {
   const MIN_PX = 9, PNG_MIN_PT = %s;
   document.querySelectorAll("main details").forEach((d) => { d.open = true; });
   const column = (document.querySelector("main article") || document.querySelector("main")
@@ -128,7 +129,7 @@ MEASURE_JS = """async () => {
   const label = (el) => (el.innerText || el.getAttribute("alt") || "").trim().slice(0, 70);
   const found = [];
   const wide = (el) => el.scrollWidth > el.clientWidth + 1;
-  for (const t of document.querySelectorAll("main table")) {
+  for (const t of layout ? document.querySelectorAll("main table") : []) {
     if (!shown(t)) continue;
     let right = column.right;
     const full = t.closest(".full-width, .full_width, .tag_full-width, .tag_full_width");
@@ -141,7 +142,7 @@ MEASURE_JS = """async () => {
     else if (t.getBoundingClientRect().right > right + 1)
       found.push(["table", label(t), `${Math.round(t.getBoundingClientRect().right - right)} px past the column`]);
   }
-  for (const p of document.querySelectorAll("main pre, main .pagedlab-source")) {
+  for (const p of layout ? document.querySelectorAll("main pre, main .pagedlab-source") : []) {
     if (!shown(p)) continue;
     if (wide(p)) found.push([p.closest(".cell_input") ? "code" : "output", label(p),
                              `${p.scrollWidth - p.clientWidth} px wider than its box`]);
@@ -170,7 +171,7 @@ MEASURE_JS = """async () => {
       const width = svg.viewBox.baseVal && svg.viewBox.baseVal.width
                     || parseFloat(svg.getAttribute("width"));
       svgText(svg, img.getBoundingClientRect().width / width, img.currentSrc.split("/").pop().slice(0, 12));
-    } else if (img.naturalWidth) {
+    } else if (pngs && img.naturalWidth) {
       // Retina PNGs carry their 1:1 width in their style; others show 1 image px per CSS px.
       const natural = parseFloat(img.style.width) || img.naturalWidth;
       const px = PNG_MIN_PT * 96 / 72 * img.getBoundingClientRect().width / natural;
@@ -251,8 +252,12 @@ def check_page(page, url: str, measure: bool = True) -> list[str]:
     if not measure:  # the phone's width: only whether the page scrolls sideways
         if scroll := page.evaluate(PAGE_SCROLL_JS):
             problems.append(f"the page scrolls sideways: {scroll[0]} px wide; the widest: {scroll[1]}")
+        # an SVG figure (a block view) keeps readable text: a box that scrolls, not a shrink
+        problems += [f"{kind} {what!r}: {how}" for kind, what, how in
+                     page.evaluate(MEASURE_JS, {"layout": False, "pngs": False})]
         return problems
-    problems += [f"{kind} {what!r}: {how}" for kind, what, how in page.evaluate(MEASURE_JS)]
+    problems += [f"{kind} {what!r}: {how}" for kind, what, how in
+                 page.evaluate(MEASURE_JS, {"layout": True, "pngs": True})]
     for i, player in enumerate(page.query_selector_all(".pagedlab-player")):
         before = page.evaluate(VISIBLE_FRAME_JS, player)
         player.query_selector("[data-act=prev]" if before > 0 else "[data-act=next]").click()
@@ -374,3 +379,15 @@ def test_calculator_computes_in_the_page(server, browser):
         page.close()
     wrong = [(s, t, expected(s)) for s, t in zip(settings, texts) if t != expected(s)]
     assert not wrong, f"{len(wrong)} of {len(settings)} settings differ; first: {wrong[0]}"
+
+
+@pytest.mark.parametrize("chapter", sorted((ROOT / "book").glob("ch*.md")), ids=lambda p: p.stem)
+def test_every_glossary_link_of_a_chapter_lands_on_an_entry(chapter):
+    """A {term} link must open the glossary at its entry, not at the page's top."""
+    html = (BUILT / "book" / f"{chapter.stem}.html").read_text()
+    glossary = (BUILT / "book" / "glossary.html").read_text()
+    targets = set(re.findall(r'href="glossary\.html#([^"]+)"', html))
+    ids = set(re.findall(r'\bid="([^"]+)"', glossary))
+    assert targets - {"glossary"} or "{term}" not in chapter.read_text(), \
+        f"{chapter.stem} uses {{term}} but its page links no glossary entry"
+    assert targets <= ids, f"{chapter.stem}: links to missing glossary entries {sorted(targets - ids)}"
