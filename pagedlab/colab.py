@@ -369,7 +369,6 @@ def install_cell_first(cells: list) -> list:
 FOLDED = {"remove-cell": "Bookkeeping the book hides: values its text quotes, and checks of them",
           "remove-input": "The code of this output (hidden in the book)",
           "hide-input": "The code of this output (folded in the book)"}
-FORM_TITLE = re.compile(r'^# @title (?P<title>.+) \{ display-mode: "form" \}$')
 
 
 def fold(cell: nbformat.NotebookNode) -> None:
