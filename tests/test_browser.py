@@ -10,7 +10,9 @@ show at 9 px or more, in a box that scrolls sideways if need be. Collapsed outpu
 scripts a page loads from a CDN (MathJax, require.js, the widget manager) are served from the
 same versions' npm packages, fetched once into `_build/cdn`, so the test sees what an online
 reader sees without depending on those hosts. Screenshots at 1280 px go to `_build/screenshots`.
-Each chapter's page must also hold its executed outputs and a Colab button to its notebook.
+Each chapter's page must also hold its executed outputs and a Colab button to its notebook, and
+its glossary links must land on entries; chapter 1's calculator must recompute in the page as
+`kv_summary` does.
 
 These are the only tests that read the build: `make test` runs the rest beside the build.
 `PAGEDLAB_BOOK_HTML` points them at another build's html folder (its `cdn` and `screenshots`
