@@ -5,7 +5,8 @@ Colab and plain Jupyter know neither MyST roles nor directives, so a raw copy sh
 markdown cell is rewritten as the book reads: glued values filled in (from the book build's
 executed notebooks, remembered in the copy's metadata), citations as author-year links,
 cross-references as links, proofs and admonitions as bold-titled text or blockquotes,
-dropdowns as ``<details>``. Code cells are copied unchanged, the install cell first.
+dropdowns as ``<details>``. Code cells are copied, the install cell first and shown; a cell
+the book hides or folds is folded in Colab's form view (:func:`fold`).
 
     python -m pagedlab.colab book/ch*.md          # `make notebooks`
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import hashlib
 import json
 import ast
 import re
@@ -360,6 +362,28 @@ def install_cell_first(cells: list) -> list:
     return [install, *cells[:index], *cells[index + 1:]]
 
 
+# What Colab shows in place of a cell the book hides (remove-cell) or folds (hide-input). Colab
+# ignores the book's tags but keeps a cell in its form view, ``cellView: "form"`` with a
+# ``# @title`` first line: the title and the output show, the code only after "Show code".
+# JupyterLab folds a cell whose ``jupyter.source_hidden`` is set.
+FOLDED = {"remove-cell": "Bookkeeping the book hides: values its text quotes, and checks of them",
+          "remove-input": "The code of this output (hidden in the book)",
+          "hide-input": "The code of this output (folded in the book)"}
+
+
+def fold(cell: nbformat.NotebookNode) -> None:
+    """Put a code cell the book hides or folds in Colab's form view, titled by its first
+    comment line if it starts with one."""
+    tag = next((t for t in cell.metadata.get("tags", []) if t in FOLDED), None)
+    if cell.cell_type != "code" or tag is None:
+        return
+    first = cell.source.split("\n", 1)[0]
+    title = first.lstrip("# ").strip() if first.startswith("#") else FOLDED[tag]
+    cell.source = f'# @title {title} {{ display-mode: "form" }}\n{cell.source}'
+    cell.metadata["cellView"] = "form"
+    cell.metadata["jupyter"] = {"source_hidden": True}
+
+
 def convert(chapter: Path, book: Book, glue: dict[str, str]) -> tuple[nbformat.NotebookNode, set]:
     """The Colab copy of ``chapter`` and the glued names that had no value."""
     chapter = Path(chapter)
@@ -370,6 +394,13 @@ def convert(chapter: Path, book: Book, glue: dict[str, str]) -> tuple[nbformat.N
         if cell.cell_type == "markdown":
             cell.source = conv.markdown(cell.source)
     nb.cells = install_cell_first(nb.cells)
+    seen = Counter()
+    for cell in nb.cells:
+        fold(cell)
+        # an id from the cell's text, not a random one: regenerating changes only what changed
+        digest = hashlib.sha1(f"{cell.cell_type}\n{cell.source}".encode()).hexdigest()[:8]
+        seen[digest] += 1
+        cell.id = digest if seen[digest] == 1 else f"{digest}-{seen[digest]}"
     used = set(re.findall(r"\{glue(?::\w+)?\}`([^`:]+)", chapter.read_text()))
     nb.metadata["pagedlab"] = {"source": f"book/{chapter.name}",
                                "glue": {k: glue[k] for k in sorted(used) if k in glue}}

@@ -5,11 +5,14 @@ A page fails on a console error or an uncaught exception, on a block player whos
 put when its controls are used, and on anything a reader cannot see at 1280 px: a table, a
 code or output block (`pre`, a source listing) wider than its box, whether cut off or scrolled
 sideways (a scrollbar hides what the prose quotes); a figure whose text shows under 9 px. At
-400 px a page must not scroll sideways. Collapsed outputs are opened before they are measured. The
+400 px a page must not scroll sideways, and an SVG figure's text (a block view's) must still
+show at 9 px or more, in a box that scrolls sideways if need be. Collapsed outputs are opened before they are measured. The
 scripts a page loads from a CDN (MathJax, require.js, the widget manager) are served from the
 same versions' npm packages, fetched once into `_build/cdn`, so the test sees what an online
 reader sees without depending on those hosts. Screenshots at 1280 px go to `_build/screenshots`.
-Each chapter's page must also hold its executed outputs and a Colab button to its notebook.
+Each chapter's page must also hold its executed outputs and a Colab button to its notebook, and
+its glossary links must land on entries; chapter 1's calculator must recompute in the page as
+`kv_summary` does.
 
 These are the only tests that read the build: `make test` runs the rest beside the build.
 `PAGEDLAB_BOOK_HTML` points them at another build's html folder (its `cdn` and `screenshots`
@@ -119,7 +122,7 @@ def browser():
 # (pagedlab.viz.style's fonts are 9 pt or more; a chapter's legend goes down to 7 pt), so it
 # fails when shown too small for that to read at 9 px.
 PNG_MIN_PT = 7
-MEASURE_JS = """async () => {
+MEASURE_JS = """async ({layout, pngs}) => {
   const MIN_PX = 9, PNG_MIN_PT = %s;
   document.querySelectorAll("main details").forEach((d) => { d.open = true; });
   const column = (document.querySelector("main article") || document.querySelector("main")
@@ -128,7 +131,7 @@ MEASURE_JS = """async () => {
   const label = (el) => (el.innerText || el.getAttribute("alt") || "").trim().slice(0, 70);
   const found = [];
   const wide = (el) => el.scrollWidth > el.clientWidth + 1;
-  for (const t of document.querySelectorAll("main table")) {
+  for (const t of layout ? document.querySelectorAll("main table") : []) {
     if (!shown(t)) continue;
     let right = column.right;
     const full = t.closest(".full-width, .full_width, .tag_full-width, .tag_full_width");
@@ -141,7 +144,7 @@ MEASURE_JS = """async () => {
     else if (t.getBoundingClientRect().right > right + 1)
       found.push(["table", label(t), `${Math.round(t.getBoundingClientRect().right - right)} px past the column`]);
   }
-  for (const p of document.querySelectorAll("main pre, main .pagedlab-source")) {
+  for (const p of layout ? document.querySelectorAll("main pre, main .pagedlab-source") : []) {
     if (!shown(p)) continue;
     if (wide(p)) found.push([p.closest(".cell_input") ? "code" : "output", label(p),
                              `${p.scrollWidth - p.clientWidth} px wider than its box`]);
@@ -170,7 +173,7 @@ MEASURE_JS = """async () => {
       const width = svg.viewBox.baseVal && svg.viewBox.baseVal.width
                     || parseFloat(svg.getAttribute("width"));
       svgText(svg, img.getBoundingClientRect().width / width, img.currentSrc.split("/").pop().slice(0, 12));
-    } else if (img.naturalWidth) {
+    } else if (pngs && img.naturalWidth) {
       // Retina PNGs carry their 1:1 width in their style; others show 1 image px per CSS px.
       const natural = parseFloat(img.style.width) || img.naturalWidth;
       const px = PNG_MIN_PT * 96 / 72 * img.getBoundingClientRect().width / natural;
@@ -251,8 +254,12 @@ def check_page(page, url: str, measure: bool = True) -> list[str]:
     if not measure:  # the phone's width: only whether the page scrolls sideways
         if scroll := page.evaluate(PAGE_SCROLL_JS):
             problems.append(f"the page scrolls sideways: {scroll[0]} px wide; the widest: {scroll[1]}")
+        # an SVG figure (a block view) keeps readable text: a box that scrolls, not a shrink
+        problems += [f"{kind} {what!r}: {how}" for kind, what, how in
+                     page.evaluate(MEASURE_JS, {"layout": False, "pngs": False})]
         return problems
-    problems += [f"{kind} {what!r}: {how}" for kind, what, how in page.evaluate(MEASURE_JS)]
+    problems += [f"{kind} {what!r}: {how}" for kind, what, how in
+                 page.evaluate(MEASURE_JS, {"layout": True, "pngs": True})]
     for i, player in enumerate(page.query_selector_all(".pagedlab-player")):
         before = page.evaluate(VISIBLE_FRAME_JS, player)
         player.query_selector("[data-act=prev]" if before > 0 else "[data-act=next]").click()
@@ -328,3 +335,61 @@ def test_built_chapter_numbers_its_equations_from_1(chapter):
     numbers = re.findall(r'<span class="eqno">\((\d+)\)', html)
     labels = re.findall(r"^\$\$ *\((eq-[\w-]+)\)|^:label: *(eq-[\w-]+)", chapter.read_text(), re.M)
     assert numbers == [str(i) for i in range(1, len(labels) + 1)]
+
+
+# Sets the calculator's controls as a reader would (a change event each) and reads its summary.
+CALCULATOR_JS = """([root, settings]) => settings.map((s) => {
+  for (const [key, value] of Object.entries(s)) {
+    const control = root.querySelector(`[data-key=${key}]`);
+    control.value = String(value);
+    control.dispatchEvent(new Event("change"));
+  }
+  return root.querySelector("pre").textContent;
+})"""
+
+
+def test_calculator_computes_in_the_page(server, browser):
+    """Chapter 1's calculator works with no kernel: its page recomputes the summary as
+    kv_summary does, for every preset, KV dtype, GPU, GPU count and weight dtype at three
+    context lengths; a reader's choice in a menu changes it."""
+    import itertools
+
+    from pagedlab.viz.kv_calculator import CHOICES, DEFAULTS, kv_summary
+
+    def expected(setting):
+        try:
+            return kv_summary(**setting)
+        except ValueError as err:  # a GPU count that cannot split the model's KV heads
+            return str(err)
+
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    try:
+        page.goto(f"{server}/book/ch01_memory_wall.html", wait_until="load")
+        root = page.query_selector(".pagedlab-calculator")
+        assert root is not None, "chapter 1 shows no calculator that works without a kernel"
+        shown = root.query_selector("pre").text_content()
+        assert shown == kv_summary(**DEFAULTS)
+        root.query_selector("[data-key=model]").select_option("Llama-3-8B")
+        root.query_selector("[data-key=context_len]").fill("4096")
+        moved = root.query_selector("pre").text_content()
+        assert moved == kv_summary(**{**DEFAULTS, "model": "Llama-3-8B", "context_len": 4096})
+        keys = list(CHOICES)
+        settings = [{**dict(zip(keys, combo)), "context_len": n}
+                    for combo in itertools.product(*CHOICES.values()) for n in (1, 2048, 131_072)]
+        texts = page.evaluate(CALCULATOR_JS, [root, settings])
+    finally:
+        page.close()
+    wrong = [(s, t, expected(s)) for s, t in zip(settings, texts) if t != expected(s)]
+    assert not wrong, f"{len(wrong)} of {len(settings)} settings differ; first: {wrong[0]}"
+
+
+@pytest.mark.parametrize("chapter", sorted((ROOT / "book").glob("ch*.md")), ids=lambda p: p.stem)
+def test_every_glossary_link_of_a_chapter_lands_on_an_entry(chapter):
+    """A {term} link must open the glossary at its entry, not at the page's top."""
+    html = (BUILT / "book" / f"{chapter.stem}.html").read_text()
+    glossary = (BUILT / "book" / "glossary.html").read_text()
+    targets = set(re.findall(r'href="glossary\.html#([^"]+)"', html))
+    ids = set(re.findall(r'\bid="([^"]+)"', glossary))
+    assert targets - {"glossary"} or "{term}" not in chapter.read_text(), \
+        f"{chapter.stem} uses {{term}} but its page links no glossary entry"
+    assert targets <= ids, f"{chapter.stem}: links to missing glossary entries {sorted(targets - ids)}"

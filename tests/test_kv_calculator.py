@@ -1,9 +1,6 @@
-"""The calculator's text summary: the numbers chapter 1 quotes, and the no-fit case."""
+"""The calculator's text summary: the numbers chapter 1 quotes, and the no-fit case; its page."""
 
-import contextlib
-import io
-
-import ipywidgets
+import pytest
 
 from pagedlab.footprint import MODELS
 from pagedlab.viz.kv_calculator import DEFAULTS, kv_calculator, kv_presets, kv_summary
@@ -21,11 +18,30 @@ def test_summary_says_when_weights_do_not_fit():
     assert "do not fit on 1 x A100-40GB" in text and "token slots" not in text
 
 
-def test_widget_builds_with_every_control():
-    box = kv_calculator(model="DeepSeek-V3", num_gpus=8, gpu="H200", weight_dtype="fp8")
-    values = {w.description: w.value for row in box.children[:2] for w in row.children}
-    assert values == {"model": "DeepSeek-V3", "KV dtype": "fp16", "GPU": "H200", "GPUs": 8,
-                      "weights": "fp8", "context": 2048}
+def test_calculator_starts_every_control_at_its_setting_and_shows_the_summary():
+    """The page's controls start where the summary printed under them does; the page's own
+    recomputation is checked in the browser (tests/test_browser.py)."""
+    import re
+    from html import unescape
+
+    calc = kv_calculator(model="DeepSeek-V3", num_gpus=8, gpu="H200", weight_dtype="fp8")
+    html = calc._repr_html_()
+    selected = dict(re.findall(r'<select data-key="(\w+)">.*?<option selected>([^<]*)<', html))
+    context = re.search(r'data-key="context_len"[^>]*value="(\d+)"', html)[1]
+    assert {**selected, "context_len": context} == {
+        "model": "DeepSeek-V3", "dtype": "fp16", "gpu": "H200", "num_gpus": "8",
+        "weight_dtype": "fp8", "context_len": "2048"}
+    summary = kv_summary(**{**DEFAULTS, "model": "DeepSeek-V3", "num_gpus": 8, "gpu": "H200",
+                            "weight_dtype": "fp8"})
+    assert repr(calc) == summary
+    assert unescape(re.search(r"<pre>(.*?)</pre>", html, re.S)[1]) == summary
+
+
+def test_calculator_names_a_bad_setting():
+    with pytest.raises(ValueError, match=r"gpu='B200' is not one of"):
+        kv_calculator(gpu="B200")
+    with pytest.raises(ValueError, match=r"unknown setting\(s\) \['batch'\]"):
+        kv_calculator(batch=4)
 
 
 def test_presets_table_lists_every_model_on_the_fewest_gpus_that_hold_it():
@@ -39,36 +55,3 @@ def test_presets_table_lists_every_model_on_the_fewest_gpus_that_hold_it():
     assert rows["OPT-175B"][5:] == ["> 8", ""]
     assert rows["Llama-3-70B"][5] == "4", "70e9 fp16 weights need more than three 40 GB cards"
     assert all(table.numeric()[2:])
-
-
-class CapturingOutput:
-    """What a kernel does for an Output widget, without one: text printed inside ``with out:``
-    becomes the widget's output (replacing the last, as ``clear_output(wait=True)`` does)."""
-
-    def __enter__(self):
-        self._redirect = contextlib.redirect_stdout(io.StringIO())
-        self._buffer = self._redirect.__enter__()
-
-    def __exit__(self, *exc):
-        self._redirect.__exit__(*exc)
-        self.outputs = ({"output_type": "stream", "name": "stdout",
-                         "text": self._buffer.getvalue()},)
-
-
-def shown(output) -> str:
-    """The widget's text, after the erase-line code that clear_output prints without a kernel."""
-    return output.outputs[0]["text"].rsplit("\r", 1)[-1].strip()
-
-
-def test_the_widgets_output_follows_its_controls(monkeypatch):
-    monkeypatch.setattr(ipywidgets.Output, "__enter__", CapturingOutput.__enter__)
-    monkeypatch.setattr(ipywidgets.Output, "__exit__", CapturingOutput.__exit__)
-    box = kv_calculator()
-    output = box.children[-1]
-    assert isinstance(output, ipywidgets.Output)
-    assert shown(output) == kv_summary(**DEFAULTS)
-    controls = {w.description: w for row in box.children[:2] for w in row.children}
-    controls["model"].value = "Llama-3-8B"
-    controls["context"].value = 4096
-    expected = kv_summary(**{**DEFAULTS, "model": "Llama-3-8B", "context_len": 4096})
-    assert shown(output) == expected

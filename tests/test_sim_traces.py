@@ -14,7 +14,9 @@ from pagedlab.sim.traces import (
     sample_lengths,
     shared_trace_path,
     synthetic_requests,
+    trace_path,
 )
+from pagedlab.sim import traces
 
 
 @pytest.mark.parametrize("dataset", ["sharegpt", "alpaca"])
@@ -156,3 +158,53 @@ def test_real_azure_traces_load_with_their_published_statistics(
     assert np.mean([r.prompt_len for r in reqs]) == pytest.approx(mean_prompt, abs=0.05)
     assert np.mean([r.output_len for r in reqs]) == pytest.approx(mean_output, abs=0.05)
     assert reqs[-1].arrival <= 3600  # one hour
+
+
+@pytest.mark.parametrize("name", sorted(traces.PUBLISHED_TRACES))
+def test_published_digests_are_those_of_the_shared_traces(monkeypatch, name):
+    """What trace_path downloads is byte for byte what the book build reads."""
+    import hashlib
+
+    monkeypatch.delenv("PAGEDLAB_TRACES", raising=False)
+    path = shared_trace_path(name)
+    if path is None:
+        pytest.skip(f"{name}.csv is not in ../shared/traces")
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == traces.PUBLISHED_TRACES[name][1]
+
+
+@pytest.fixture
+def published(tmp_path, monkeypatch):
+    """A published trace "mine" served from a file:// URL, no shared traces, an empty cache."""
+    import hashlib
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "mine_v1.csv").write_text(GOOD)
+    monkeypatch.setattr(traces, "PUBLISHED_URL", site.as_uri())
+    monkeypatch.setattr(traces, "PUBLISHED_TRACES", {
+        "mine": ("mine_v1.csv", hashlib.sha256(GOOD.encode()).hexdigest())})
+    monkeypatch.setenv("PAGEDLAB_TRACES", str(tmp_path / "no-shared-traces"))
+    monkeypatch.setenv("PAGEDLAB_CACHE", str(tmp_path / "cache"))
+    return site
+
+
+def test_trace_path_downloads_a_published_trace_once_and_checks_it(published, tmp_path):
+    path = trace_path("mine")
+    assert path == tmp_path / "cache" / "traces" / "mine.csv"
+    assert path.read_text() == GOOD and load_trace(path) == load_trace(published / "mine_v1.csv")
+    (published / "mine_v1.csv").unlink()  # offline now: the cached copy serves
+    assert trace_path("mine") == path
+    path.write_text(GOOD + "9.0,1,1\n")  # a damaged cached copy is never read
+    assert trace_path("mine") is None
+
+
+def test_trace_path_rejects_a_download_that_is_not_the_published_file(published):
+    (published / "mine_v1.csv").write_text(GOOD.replace("\n", "\r\n"))
+    with pytest.raises(ValueError, match=r"mine: the file downloaded from .*mine_v1.csv is not"):
+        trace_path("mine")
+
+
+def test_trace_path_offline_says_why_and_gives_none(published, capsys):
+    (published / "mine_v1.csv").unlink()
+    assert trace_path("mine") is None
+    assert "mine: not in ../shared/traces and not downloadable from" in capsys.readouterr().out

@@ -203,7 +203,7 @@ def test_the_player_holds_a_frame_per_event_and_shows_one():
     assert player.step == 0
     player.show(3)
     html = player._repr_html_()
-    frames = re.findall(r'<div class="pagedlab-frame" data-step="(\d+)"( hidden)?>(.*?)</svg></div>',
+    frames = re.findall(r'<div class="pagedlab-frame" data-step="(\d+)"( hidden)?>(.*?)</svg></div></div>',
                         html, re.S)
     assert [int(k) for k, _, _ in frames] == list(range(n + 1))
     assert [k for k, hidden, _ in frames if not hidden] == ["3"]
@@ -211,7 +211,8 @@ def test_the_player_holds_a_frame_per_event_and_shows_one():
     assert "copy-on-write" in frames[3][2] and ">copy<" in frames[3][2]
     for k, _, frame in frames:
         svg = block_svg(snaps[int(k)], colors=player._view["colors"])
-        assert frame + "</svg>" == player.frame(int(k)) and (frame + "</svg>").endswith(svg)
+        assert frame + "</svg></div>" == player.frame(int(k))
+        assert (frame + "</svg>").endswith(svg)  # at its own size, in a box that scrolls
     root = re.search(r'class="pagedlab-player" id="([\w-]+)"', html)[1]
     assert f'getElementById("{root}")' in html and f'max="{n}" value="3"' in html
     assert root != re.search(r'id="([\w-]+)"', BlockPlayer.of(mgr)._repr_html_())[1]

@@ -6,6 +6,7 @@ import math
 import warnings
 
 import matplotlib
+import matplotlib.text
 import pytest
 import torch
 
@@ -95,8 +96,32 @@ def test_hash_chain_draws_each_distinct_prefix_block_once():
     # every block but a chain's first has an arrow from its parent
     assert len(D.artists(fig, "chain")) == len(prefixes) - len({tuple(p[:bs]) for p in prompts})
     # each block is labelled with its own tokens
-    drawn = sorted(t.split("\n")[0] for t in texts(fig) if "\n#" in t)
+    drawn = sorted(" ".join(t.split("\n")[:-1]) for t in texts(fig) if "\n#" in t)
     assert drawn == sorted(" ".join(map(str, p[-bs:])) for p in prefixes)
+
+
+def test_hash_chain_text_fits_its_boxes():
+    """Chapter 5's blocks of four words, the longest it draws ("helpful and brief assistant")."""
+    from matplotlib.patches import Rectangle
+
+    text = ["You are a helpful and brief assistant . What is paging ?",
+            "You are a helpful and brief assistant . What is a block table ?",
+            "Answer in one word What is paging ?"]
+    vocab = {w: i for i, w in enumerate(dict.fromkeys(" ".join(text).split()))}
+    prompts = [[vocab[w] for w in t.split()] for t in text]
+    fig = D.hash_chain(prompts, 4, words={i: w for w, i in vocab.items()})
+    fig.canvas.draw()
+    boxes = [r.get_window_extent() for r in fig.findobj(Rectangle)
+             if r.get_gid() in ("block", "partial")]
+    labels = [t for t in fig.findobj(matplotlib.text.Text) if "\n" in t.get_text()
+              and t.get_text().splitlines()[-1].startswith(("#", "no key"))]
+    assert len(labels) == len(boxes) == 7  # two blocks shared, one partial
+    for label in labels:
+        extent = label.get_window_extent()
+        box = next(b for b in boxes if b.contains(*extent.get_points().mean(axis=0)))
+        assert box.x0 <= extent.x0 and extent.x1 <= box.x1 and box.y0 <= extent.y0 \
+            and extent.y1 <= box.y1, f"{label.get_text()!r} leaves its box"
+    plt.close(fig)
 
 
 def test_state_machine_draws_every_state_and_labelled_transition():

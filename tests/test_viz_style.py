@@ -43,3 +43,23 @@ def test_display_size_is_the_figure_scaled_to_the_page():
     small = plt.figure(figsize=(3.5, 3), dpi=100)  # 350 px: shown at its own size
     assert style.display_pt(small, 12) == 12 * 350 / (3.5 * 96)
     plt.close("all")
+
+
+def test_overlapping_text_finds_labels_that_run_together():
+    """Bar labels on adjacent narrow bars collide (chapter 1's "3030"); spread out, they do not."""
+    with matplotlib.rc_context():
+        style.use()
+        for width, crowded in ((0.2, True), (3.0, False)):
+            fig, ax = plt.subplots(figsize=(width + 1, 2))
+            bars = ax.bar([0, 1, 2], [100, 100, 100], 0.9)
+            ax.bar_label(bars)
+            ax.set_xticks([0, 1, 2], ["Llama-2-7B", "Llama-2-13B", "OPT-13B"])
+            found = style.overlapping_text(fig)
+            assert bool(found) == crowded, (width, found)
+            if crowded:
+                assert any("'100' overlaps '100'" in f for f in found), found
+            plt.close(fig)
+    fig, ax = plt.subplots()
+    ax.text(1.5, 0.5, "far outside", transform=ax.transAxes)
+    assert style.overlapping_text(fig) == ["'far outside' leaves the figure"]
+    plt.close(fig)

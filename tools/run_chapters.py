@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -35,20 +36,21 @@ def run_notebook(path: str) -> None:
 
 
 def run_chapter(path: str, timeout: float) -> dict:
-    """One chapter in a child process: its status, seconds and output."""
+    """One chapter in a child process of its own session: its status, seconds and output.
+    On a timeout the whole process group is killed, so the chapter's multiprocessing workers
+    die with it instead of running on as orphans."""
     start = time.perf_counter()
     env = {**os.environ, "MPLBACKEND": "Agg", "PYTHONUNBUFFERED": "1"}
+    child = subprocess.Popen([sys.executable, __file__, "--one", path], env=env, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             start_new_session=True)
     try:
-        done = subprocess.run(
-            [sys.executable, __file__, "--one", path],
-            env=env, capture_output=True, text=True, timeout=timeout,
-        )
-        status, output = ("ok" if done.returncode == 0 else "failed"), done.stdout + done.stderr
-    except subprocess.TimeoutExpired as err:
+        output, _ = child.communicate(timeout=timeout)
+        status = "ok" if child.returncode == 0 else "failed"
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        output, _ = child.communicate()
         status = "timeout"
-        output = "".join(
-            s.decode() if isinstance(s, bytes) else s or "" for s in (err.stdout, err.stderr)
-        )
     return dict(chapter=path, status=status, seconds=round(time.perf_counter() - start, 1),
                 output=output)
 

@@ -35,6 +35,7 @@ from pagedlab.sim.traces import (
     load_trace,
     shared_trace_path,
     synthetic_requests,
+    trace_path,
 )
 
 __all__ = [
@@ -42,5 +43,5 @@ __all__ = [
     "LengthStats", "PagedConfig", "PagedKV", "Request", "SimExecutor", "SimResult",
     "clip_to_context", "knee_rate", "knee_rates", "load_trace", "make_memory",
     "shared_trace_path", "simulate", "simulate_paged", "simulate_system", "sweep",
-    "synthetic_requests", "with_rate",
+    "synthetic_requests", "trace_path", "with_rate",
 ]

@@ -244,3 +244,49 @@ def shared_trace_path(name: str) -> Path | None:
     folder = os.environ.get("PAGEDLAB_TRACES") or REPO_ROOT.parent / "shared" / "traces"
     path = Path(folder) / f"{name}.csv"
     return path if path.is_file() else None
+
+
+# The Azure traces as processed for Vidur, at a fixed commit of microsoft/vidur: byte for byte
+# the files of ../shared/traces, so a run away from the repository (Colab) reads the same
+# requests. name: (file in that repository, SHA-256)
+PUBLISHED_TRACES = {
+    "azure_conv_2023": ("splitwise_conv.csv",
+                        "439e4138b7e384f316de614c071f7162be05b8af0cef866f82faacd1b0472249"),
+    "azure_code_2023": ("splitwise_code.csv",
+                        "f266b907d109d471c61283ab69771c17ad79a18b33ff6e96aa546346f52767a6"),
+}
+PUBLISHED_URL = ("https://raw.githubusercontent.com/microsoft/vidur/"
+                 "7d47513363ec447a741ac5e47241580b47724fbf/data/processed_traces")
+
+
+def trace_path(name: str) -> Path | None:
+    """``<name>.csv`` from the shared traces if they are there, else a copy of the published
+    file, downloaded once into ``$PAGEDLAB_CACHE/traces`` (``~/.cache/pagedlab``) and checked
+    against its SHA-256; None, saying why, when neither can be had (offline), and the chapter
+    falls back to synthetic requests."""
+    import hashlib
+    import urllib.request
+
+    from pagedlab.models import cache_dir
+
+    if (path := shared_trace_path(name)) is not None or name not in PUBLISHED_TRACES:
+        return path
+    file, digest = PUBLISHED_TRACES[name]
+    path = cache_dir() / "traces" / f"{name}.csv"
+    if path.is_file() and hashlib.sha256(path.read_bytes()).hexdigest() == digest:
+        return path
+    url = f"{PUBLISHED_URL}/{file}"
+    try:
+        with urllib.request.urlopen(url, timeout=30) as response:
+            data = response.read()
+    except OSError as err:
+        print(f"{name}: not in ../shared/traces and not downloadable from {url} ({err})")
+        return None
+    if hashlib.sha256(data).hexdigest() != digest:
+        raise ValueError(f"{name}: the file downloaded from {url} is not the published trace "
+                         f"(SHA-256 {hashlib.sha256(data).hexdigest()}, expected {digest})")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".partial")
+    partial.write_bytes(data)
+    partial.replace(path)
+    return path

@@ -1,1 +1,1 @@
-"""Figures and ipywidgets views of the book."""
+"""Figures and views of the book that work without a kernel."""

@@ -16,7 +16,7 @@ from html import escape
 
 from pagedlab.memory import KVCacheManager
 from pagedlab.viz.block_replay import Snapshot, history
-from pagedlab.viz.block_view import block_svg, seq_colors
+from pagedlab.viz.block_view import block_svg, scroll_box, seq_colors
 
 _ids = itertools.count()
 
@@ -75,7 +75,8 @@ class BlockPlayer:
         """The HTML of one step: its caption over its picture."""
         snap = self.snapshots[step]
         return (f'<div style="margin:0.3em 0"><b>step {step} of {self.last}</b>: '
-                f"{escape(snap.caption)}</div>{block_svg(snap, **self._view)}")
+                f"{escape(snap.caption)}</div>"
+                f"{scroll_box(block_svg(snap, **self._view), 'pagedlab-frame-svg')}")
 
     def _repr_html_(self) -> str:
         root = f"pagedlab-player-{next(_ids)}"
@@ -89,7 +90,7 @@ class BlockPlayer:
                       f'aria-label="step" style="width:min(24em,60%);vertical-align:middle">'
                     + button.format("next", "next event", "&gt;"))
         script = _SCRIPT.replace("ROOT", root).replace("INTERVAL", str(self.interval_ms))
-        return (f'<div class="pagedlab-player" id="{root}" style="max-width:100%;overflow-x:auto">'
+        return (f'<div class="pagedlab-player" id="{root}">'
                 f"<div>{controls}</div>{frames}<script>{script}</script></div>")
 
     def __repr__(self) -> str:

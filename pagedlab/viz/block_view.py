@@ -177,15 +177,24 @@ def block_svg(snap: Snapshot, title: str | None = None, *,
             f'<rect width="100%" height="100%" fill="#fff"/>{defs}{"".join(parts)}</svg>')
 
 
+def scroll_box(svg: str, cls: str) -> str:
+    """``svg`` inline at its own size in a box that scrolls sideways where the page is narrower
+    (a phone): its 9-px text stays 9 px, where an image would shrink with the column."""
+    return f'<div class="{cls}" style="max-width:100%;overflow-x:auto">{svg}</div>'
+
+
 class BlockView:
-    """A snapshot as a figure: SVG wherever a notebook shows images, its text summary
-    otherwise (a terminal, nbval)."""
+    """A snapshot as a figure: inline SVG in HTML (the book, Jupyter, Colab), the SVG alone
+    where only images show, its text summary otherwise (a terminal, nbval)."""
 
     def __init__(self, snap: Snapshot, title: str | None = None, **options):
         self.snap, self.title, self.options = snap, title, options
 
     def _repr_svg_(self) -> str:
         return block_svg(self.snap, self.title, **self.options)
+
+    def _repr_html_(self) -> str:
+        return scroll_box(self._repr_svg_(), "pagedlab-blockview")
 
     def __repr__(self) -> str:
         return self.snap.summary()

@@ -270,8 +270,10 @@ def hash_chain(prompts: Sequence[Sequence[int]], block_size: int,
     A partial last block has no key (it is never cached) and is drawn dashed. ``words`` maps
     token ids to the text shown; by default the ids are.
     """
-    def show(tokens):
-        return " ".join(words[t] if words else str(t) for t in tokens)
+    def show(tokens):  # a block's tokens on two lines, so that four words fit its box
+        shown = [words[t] if words else str(t) for t in tokens]
+        half = cdiv(len(shown), 2) if len(shown) > 2 else len(shown)
+        return "\n".join(filter(None, (" ".join(shown[:half]), " ".join(shown[half:]))))
 
     nodes: dict[int, tuple] = {}  # key -> (row, column, parent key, tokens)
     partial = []
@@ -289,19 +291,21 @@ def hash_chain(prompts: Sequence[Sequence[int]], block_size: int,
     w = 9.6 / columns
     fig, ax = _canvas(1.0 + 0.85 * len(prompts), (0, 10), (-0.7, len(prompts)))
 
+    BOX_H = 0.74  # three lines of 9 pt: two of words, the key
+
     def corner(row, col):
-        return 0.2 + col * w, len(prompts) - 1 - row + 0.15
+        return 0.2 + col * w, len(prompts) - 1 - row + 0.08
 
     for key, (row, col, parent, tokens) in nodes.items():
         x, y = corner(row, col)
-        _box(ax, x, y, w * 0.92, 0.62, f"{show(tokens)}\n#{key & 0xffff:04x}",
+        _box(ax, x, y, w * 0.92, BOX_H, f"{show(tokens)}\n#{key & 0xffff:04x}",
              gid="block", fill="#d0e2f3")
         if parent is not None:
             px, py = corner(*nodes[parent][:2])
-            _arrow(ax, (px + w * 0.92, py + 0.31), (x, y + 0.31), gid="chain")
+            _arrow(ax, (px + w * 0.92, py + BOX_H / 2), (x, y + BOX_H / 2), gid="chain")
     for row, col, parent, tokens in partial:
         x, y = corner(row, col)
-        _box(ax, x, y, w * 0.92, 0.62, f"{show(tokens)}\nno key", gid="partial",
+        _box(ax, x, y, w * 0.92, BOX_H, f"{show(tokens)}\nno key", gid="partial",
              linestyle="--")
     for row in range(len(prompts)):
         ax.text(0.2, len(prompts) - 1 - row + 0.88, f"prompt {row}", fontsize=FONT,

@@ -53,3 +53,32 @@ def small_text(fig) -> list[str]:
             for t in fig.findobj(mpl.text.Text)
             if t.get_visible() and t.get_text().strip()
             and display_pt(fig, t.get_fontsize()) < MIN_PT]
+
+
+def overlapping_text(fig, pad_px: float = 1.0) -> list[str]:
+    """Pairs of visible texts of ``fig`` whose drawn boxes overlap (tick labels running
+    together, a bar's label on its neighbour's, a label past another), and texts that leave
+    the figure. A figure a chapter draws should have none."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    frame = fig.bbox
+    undrawn = set()  # tick labels past the view limits exist but are not drawn
+    for ax in fig.axes:
+        for axis in (ax.xaxis, ax.yaxis):
+            lo, hi = sorted(axis.get_view_interval())
+            slack = 1e-9 * max(1.0, abs(hi - lo))
+            for ticks in (axis.get_major_ticks(), axis.get_minor_ticks()):
+                for tick in ticks:
+                    if not lo - slack <= tick.get_loc() <= hi + slack:
+                        undrawn |= {id(tick.label1), id(tick.label2)}
+    boxes = [(t, t.get_window_extent(renderer).padded(-pad_px))
+             for t in fig.findobj(mpl.text.Text)
+             if t.get_visible() and t.get_text().strip() and id(t) not in undrawn]
+    found = [f"{t.get_text()!r} leaves the figure" for t, b in boxes
+             if b.x0 < frame.x0 - 1 or b.x1 > frame.x1 + 1 or b.y0 < frame.y0 - 1
+             or b.y1 > frame.y1 + 1]
+    for i, (a, box_a) in enumerate(boxes):
+        for b, box_b in boxes[i + 1:]:
+            if box_a.overlaps(box_b):
+                found.append(f"{a.get_text()!r} overlaps {b.get_text()!r}")
+    return found
