@@ -267,7 +267,7 @@ def trace_path(name: str) -> Path | None:
     import hashlib
     import urllib.request
 
-    from pagedlab.models import cache_dir
+    from pagedlab.checkpoints import cache_dir
 
     if (path := shared_trace_path(name)) is not None or name not in PUBLISHED_TRACES:
         return path
