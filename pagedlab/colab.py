@@ -120,9 +120,19 @@ def labelled(entries) -> list[tuple[str, str]]:
     out = []
     for names, year in pairs:
         seen[names, year] += 1
-        suffix = chr(ord("a") + seen[names, year] - 1) if count[names, year] > 1 else ""
+        suffix = _letters(seen[names, year]) if count[names, year] > 1 else ""
         out.append((names, year + suffix))
     return out
+
+
+def _letters(n: int) -> str:
+    """The ``n``-th suffix, from 1: a, b, ..., z, aa, ab, ... (a prolific author's year runs
+    past 26 entries)."""
+    letters = ""
+    while n:
+        n, r = divmod(n - 1, 26)
+        letters = chr(ord("a") + r) + letters
+    return letters
 
 
 def load_references(bib: Path = ROOT / "book" / "references.bib") -> dict[str, Reference]:

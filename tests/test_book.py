@@ -175,9 +175,23 @@ def test_bibliography_is_author_year_and_sorted_without_regard_to_case():
     assert names == sorted(names), names
     assert len(set(labels.values())) == len(labels), "equal author-year labels need a, b"
     assert labels["vllm_v1_rejection_sampler"].startswith("vLLM Team, 2025")  # one of many
+    suffixes = [label.rsplit(", ", 1)[1].lstrip("0123456789") for label in labels.values()]
+    assert all(s.isalpha() and s.islower() for s in suffixes if s), suffixes  # past z: aa
     refs = colab.load_references()  # the Colab copies cite by the same labels
     assert {k: f"{r.authors}, {r.year}" for k, r in refs.items()} == labels
     config = yaml.safe_load((ROOT / "_config.yml").read_text())["sphinx"]["config"]
     assert config["bibtex_reference_style"] == "label"  # the text cites by these labels
     texts = [e.text.render_as("text") for e in entries]
     assert not [t for t in texts if "$" in t or "\\" in t], "raw TeX in the bibliography"
+
+
+def test_equal_author_years_are_told_apart_past_z():
+    from pybtex.database import Entry, Person
+
+    def entry(author, year):
+        return Entry("misc", fields={"year": year}, persons={"author": [Person(author)]})
+
+    labels = colab.labelled([entry("{vLLM Team}", "2025")] * 28 + [entry("Kwon", "2023")])
+    assert [y for _, y in labels[:28]] == [f"2025{c}" for c in "abcdefghijklmnopqrstuvwxyz"] + [
+        "2025aa", "2025ab"]
+    assert labels[28] == ("Kwon", "2023")
