@@ -198,7 +198,9 @@ def library_state() -> dict[tuple[str, str], int]:
     use expose, and of the attributes of pagedlab's classes and of torch.Tensor (what the
     checks call on the library's objects): student code must leave them as it found them
     (``torch.equal = ...``, ``lib = KVCacheManager; lib.allocate = ...``)."""
-    roots = set(rules.IMPORTS) | {"builtins", "pagedlab", "hypothesis"}
+    # Not triton: its interpreter replaces triton.language's functions while it runs a kernel,
+    # and no check relies on them (a kernel is checked by what it computes).
+    roots = set(rules.IMPORTS) - {"triton"} | {"builtins", "pagedlab", "hypothesis"}
     state, classes = {}, set()
     for name, module in list(sys.modules.items()):
         if name.split(".")[0] not in roots or "._" in name or module is None:
