@@ -21,19 +21,26 @@ book: $(READY)
 	$(RUN) $(BIN)/jupyter-book build . --warningiserror --nitpick --keep-going
 
 # The whole suite: the book build (every chapter executed) side by side with the unit and
-# property tests and the assignment grader's tests (tests/test_grade.py grades every solution
-# notebook), which read nothing the build writes; then the browser test of the built book.
+# property tests, the assignment grader's tests (tests/test_grade.py grades every solution
+# notebook) and nbval on the solution notebooks, which read nothing the build writes; then the
+# browser test of the built book.
 # Side by side, the two take about as long as the book alone, idle machine or busy.
 test: $(READY)
 	$(RUN) $(MAKE) --no-print-directory --output-sync=target -j2 LOAD=0 book unit
 	$(RUN) $(BIN)/python -m pytest tests/test_browser.py
 
+# The solution notebooks, executed by nbval: every cell's stored output must reproduce
+# (addresses and timings sanitized), so an edit that changes what students see is caught here.
+NBVAL := -m pytest --nbval notebooks/solutions --nbval-sanitize-with notebooks/sanitize.cfg
+
 unit: $(READY)
 	$(BIN)/python -m pytest --ignore=tests/test_browser.py
+	$(BIN)/python $(NBVAL)
 
 # Every test, the browser test included (it skips where the book is not built).
 pytest: $(READY)
 	$(RUN) $(BIN)/python -m pytest
+	$(RUN) $(BIN)/python $(NBVAL)
 
 # Regenerate what is derived from a single source: Colab notebooks from chapter sources (plain
 # Markdown, with the glued values of the last `make book`), student notebooks from solution

@@ -1,5 +1,5 @@
-"""Submissions that try to get marks without the work (issue 25, findings 1-6), as A2 student
-notebooks whose solution cells hold the cheat. Each was seen to get an undeserved grade from the
+"""Submissions that try to get marks without the work (issue 25, findings 1-6 and Deliver 3), as
+student notebooks whose solution cells hold the cheat. Each was seen to get an undeserved grade from the
 grader before the trust boundary; tests/test_grade_trust.py checks the grade each deserves.
 
 The cheats reach the grader as a student would find it: through ``type(sys.stdout)``, frames,
@@ -27,7 +27,7 @@ def stub(fn):
     f = lambda nb: None
     f.__name__, f.__grade_task__, f.__doc__ = fn.__name__, fn.__grade_task__, fn.__doc__
     return f
-g['hidden_checks'] = lambda a, d: ([(p, stub(fn)) for p, fn in real(a, d)[0]], [])
+g['hidden_checks'] = lambda a, d: ([(p, stub(fn), args) for p, fn, args in real(a, d)[0]], [])
 """
 
 # Finding 1: the worker made to report nothing at all ("0/0 checks" was a pass).
@@ -104,9 +104,9 @@ class Allocator:
         return self.lib.free_list
 """
 
-# ...code compiled under a setup cell's file name, so the trap takes it for the checks' code...
-SETUP_NAME = """
-exec(compile('''
+# ...the library's BlockAllocator behind the notebook's Allocator interface, (a) compiled under a
+# setup cell's file name, so that the trap takes it for the checks' code...
+DELEGATE = """
 class Allocator:
     def __init__(self, num_blocks):
         self.lib = BlockAllocator(num_blocks)
@@ -122,29 +122,11 @@ class Allocator:
     num_free = property(lambda self: self.lib.num_free)
     refs = property(lambda self: [self.lib.refcount(b) for b in range(self.num_blocks)])
     free_list = property(lambda self: self.lib.free_list)
-''', '<cell 2>', 'exec'), globals())
 """
+SETUP_NAME = f"\nexec(compile({DELEGATE!r}, '<cell 2>', 'exec'), globals())\n"
 
-# ...and the attribution switched off: the worker forgets which code is the student's.
-UNATTRIBUTED = """
-import sys
-type(sys.stdout).write.__globals__['RUN'].solution_files.clear()
-class Allocator:
-    def __init__(self, num_blocks, lib=BlockAllocator):
-        self.lib = lib(num_blocks)
-        self.num_blocks = num_blocks
-    def allocate(self, n):
-        return self.lib.allocate(n)
-    def share(self, blocks):
-        return self.lib.share(blocks)
-    def release(self, blocks):
-        return self.lib.release(blocks)
-    def refcount(self, b):
-        return self.lib.refcount(b)
-    num_free = property(lambda self: self.lib.num_free)
-    refs = property(lambda self: [self.lib.refcount(b) for b in range(self.num_blocks)])
-    free_list = property(lambda self: self.lib.free_list)
-"""
+# ...and (b) with the attribution switched off: the worker forgets which code is the student's.
+UNATTRIBUTED = "\nimport sys\ntype(sys.stdout).write.__globals__['RUN'].solution_files.clear()\n" + DELEGATE
 
 # Finding 6: library functions the checks use, replaced so that every comparison holds.
 PATCHED_LIBRARY = """
@@ -156,6 +138,40 @@ torch.equal = lambda *args, **kwargs: True
 SHADOWED_PRINT = """
 def print(*args, **kwargs):
     pass
+"""
+
+# Deliver 3: serve() empties the list it is given, so that a reference computed after it from the
+# same list serves nothing (the hidden checks of A3.4 and A5.4 called the notebook's
+# serve_library on the workload they had just passed to the student's serve).
+EMPTIES_ITS_INPUT = {
+    "A3": """
+def serve(prompts, num_blocks, block_size, max_live):
+    prompts.clear()
+    return {"cached": [], "hits": 0, "misses": 0, "evictions": 0}
+""",
+    "A5": """
+def serve(workload, num_gpu_blocks, block_size=4, num_cpu_blocks=0, **config):
+    workload.clear()
+    return {"finish_steps": {}, "preemptions": {}, "outputs": {}, "steps": 0, "peak_blocks": 0,
+            "peak_cpu_blocks": 0, "recomputed": 0, "blocks_copied": 0, "leaked": (0, 0)}
+""",
+}
+
+# Deliver 3: a cell after check A6.1 rebinds that check's helper `scheduler` (which A6.1's hidden
+# check called) to a fake whose queue is already in the expected order; no policy is written.
+FAKE_SCHEDULER = """
+class Waiting:
+    def __init__(self, request_id):
+        self.request_id = request_id
+
+
+class Fake:
+    def __init__(self, prompts):
+        self.waiting = [Waiting(rid) for rid, n in sorted(prompts, key=lambda p: (p[1], int(p[0][1:])))]
+
+
+def scheduler(policy, prompts, num_gpu_blocks, **limits):
+    return Fake(prompts)
 """
 
 

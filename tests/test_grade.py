@@ -91,11 +91,11 @@ def test_grader_fails_every_broken_solution_passes_variants_and_refuses_cheats(n
         lambda r: any("nbval-skip" in x for x in r.refused))
     tasks = load(solution_path(name)).tasks
     first_task, last_task = tasks[0], [t for t in tasks if t != name][-1]
-    add("the untouched student notebook", make_student(nbformat.read(solution_path(name), as_version=4)), [first_task],
+    add("the untouched student notebook, its first and last tasks",
+        make_student(nbformat.read(solution_path(name), as_version=4)), [first_task, last_task],
         lambda r: not r.refused and r.task(first_task).passed == 0
-        and f"NotImplementedError: {first_task}" in r.task(first_task).failures[0])
-    add("the untouched student notebook, its last task", make_student(nbformat.read(solution_path(name), as_version=4)),
-        [last_task], lambda r: not r.refused and r.task(last_task).passed == r.task(last_task).hidden_passed == 0)
+        and f"NotImplementedError: {first_task}" in r.task(first_task).failures[0]
+        and r.task(last_task).passed == r.task(last_task).hidden_passed == 0)
 
     reports = grade_many([submission for _, submission, _ in cases])
     wrong = [f"{label}:\n{report.text()}" for (label, _, must), report in zip(cases, reports) if not must(report)]
@@ -201,6 +201,37 @@ def test_a_broken_check_file_fails_the_grade(tmp_path):
     report = grade_many([(solution_path("A1"), ["A1.1"])], extra_checks=[tmp_path])[0]
     assert not report.passed
     assert "loading" in report.task("A1").failures[0] and "SyntaxError" in report.task("A1").failures[0]
+
+
+REFERENCED = """import os
+from pagedlab.grade import task
+
+
+def _where():
+    return {"pid": os.getpid(), "pair": (1, 2)}
+
+
+@task("A1.1", reference=_where)
+def check_with_reference(nb, expected):
+    "The reference came from the grader's process, as plain data."
+    assert expected["pid"] != os.getpid() and expected["pair"] == [1, 2], expected
+"""
+
+
+@pytest.mark.slow
+def test_a_reference_is_computed_by_the_grader_and_given_to_its_check(tmp_path):
+    (tmp_path / "A1_referenced.py").write_text(REFERENCED)
+    report = grade_many([(solution_path("A1"), ["A1.1"])], extra_checks=[tmp_path])[0]
+    assert report.passed and report.task("A1.1").hidden_passed == report.task("A1.1").hidden == 2, report.text()
+
+
+def test_a_failing_reference_is_an_error_naming_its_file_before_anything_is_graded():
+    from pagedlab.grade.batch import _reference
+
+    source = REFERENCED.replace('return {"pid"', 'return 1 / 0 or {"pid"')
+    with pytest.raises(RuntimeError, match="<instructor check A1_x.py>: the reference _where of check_with_reference "
+                                           "failed: ZeroDivisionError"):
+        _reference("<instructor check A1_x.py>", source, "check_with_reference")
 
 
 def test_a_duplicated_solution_cell_is_refused_naming_both_cells():

@@ -127,3 +127,22 @@ def test_a_library_function_replaced_through_an_alias_is_caught_when_the_cell_ha
     status, out, err = sandbox.run([sys.executable, "-m", "pagedlab.grade.worker"], json.dumps(job), 300)
     assert status == 0, err
     assert json.loads(out)["violations"] == [{"task": "A2.1", "what": "replaces math.floor", "where": ""}]
+
+
+def test_a_library_class_patched_through_an_alias_is_caught_in_a_cell_and_during_a_hidden_check():
+    """Deliver 3: `m = KVCacheManager; m.free = ...` changes what a hidden check's library
+    reference does (A5 may use KVCacheManager; its name is not forbidden). The worker compares
+    the attributes of pagedlab's classes after each solution cell and each hidden check."""
+    cells = [{"index": 2, "kind": "setup", "task": "", "source": "from pagedlab.memory import KVCacheManager\n"},
+             {"index": 4, "kind": "solution", "task": "A5.1", "source": "m = KVCacheManager\nm.free = print\n"},
+             {"index": 6, "kind": "solution", "task": "A5.2",
+              "source": "def later():\n    m = KVCacheManager\n    m.allocate = print\n"}]
+    check = "from pagedlab.grade import task\n\n@task('A5.2')\ndef check_it(nb):\n    nb.later()\n"
+    job = {"assignment": "A5", "cells": cells, "forbid": [], "hidden": [{"label": "<check A5.py>", "source": check}],
+           "only": None, "cell_timeout": 60}
+    status, out, err = sandbox.run([sys.executable, "-m", "pagedlab.grade.worker"], json.dumps(job), 300)
+    assert status == 0, err
+    assert json.loads(out)["violations"] == [
+        {"task": "A5.1", "what": "replaces pagedlab.memory.manager.KVCacheManager.free", "where": ""},
+        {"task": "A5.2", "what": "replaces pagedlab.memory.manager.KVCacheManager.allocate during the hidden check "
+                                 "check_it", "where": ""}]

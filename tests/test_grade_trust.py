@@ -77,6 +77,25 @@ def test_cheats_get_what_their_code_deserves_and_touch_nothing(tmp_path):
 
 
 @pytest.mark.slow
+def test_helpers_and_inputs_a_submission_controls_earn_it_nothing(tmp_path):
+    """Deliver 3: hidden checks called helpers of the notebook (a later cell could rebind them)
+    and computed the reference from a list the student's code had been given (and could empty).
+    Each cheat implements nothing its hidden check tests, and keeps the rules."""
+    cases = [("A3", {"A3.4": cheats.EMPTIES_ITS_INPUT["A3"]}, ["A3.4"], "A3.4"),
+             ("A5", {"A5.4": cheats.EMPTIES_ITS_INPUT["A5"]}, ["A5.4"], "A5.4"),
+             ("A6", {"A6.2": cheats.FAKE_SCHEDULER}, ["A6.1", "A6.2"], "A6.1")]
+    paths = []
+    for name, sources, tasks, _ in cases:
+        paths.append((tmp_path / f"{name}_cheat.ipynb", tasks))
+        nbformat.write(cheats.cheat(nbformat.read(next(SOLUTIONS.glob(f"{name}_*.ipynb")), as_version=4), sources),
+                       paths[-1][0])
+    wrong = [report.text() for (name, _, _, task), report in zip(cases, grade_many(paths))
+             if report.refused or report.task(task).refused or report.task(task).library_use
+             or not report.task(task).hidden or report.task(task).hidden_passed]
+    assert not wrong, "\n\n".join(wrong)
+
+
+@pytest.mark.slow
 def test_a_batch_grades_every_readable_file_and_gives_the_others_a_row(tmp_path):
     """Finding 7: a truncated file, metadata naming an unknown assignment, and an A1 notebook
     saved under A2's name each get a row of their own; the readable neighbour is graded."""

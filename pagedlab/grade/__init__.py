@@ -23,187 +23,34 @@ A hidden check is a function in a file ``<assignment>*.py`` (``A2_properties.py`
 
 from __future__ import annotations
 
-import ast
-import hashlib
-import json
-import os
-import sys
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
+from pagedlab.grade.sandbox import HIDDEN
 
-import nbformat
-
-from pagedlab.grade import rules, sandbox
-from pagedlab.grade.notebook import ASSIGNMENT, SOLUTIONS, Assignment, assemble, load, reference_for
-from pagedlab.grade.report import Report, score
-
-HIDDEN = sandbox.HIDDEN
+__all__ = ["HIDDEN", "SOLUTIONS", "grade", "grade_many", "hidden_sources", "task"]
 
 
-def task(name: str):
-    """Mark a function as a hidden check of task ``name`` ("A2.1", or "A2" for the whole)."""
+def task(name: str, reference=None):
+    """Mark a function as a hidden check of task ``name`` ("A2.1", or "A2" for the whole).
+
+    ``reference``, a function of the same file with no arguments, computes what the check
+    compares with: the grader calls it in its own process, where no student code runs (a
+    submission cannot change the library it uses), once per file however many submissions it
+    grades, and passes its value (plain data: JSON turns tuples into lists) to the check as a
+    second argument."""
 
     def mark(fn):
         fn.__grade_task__ = name
+        fn.__grade_reference__ = reference
         return fn
 
     return mark
 
 
-def grade_many(
-    notebooks: list,
-    *,
-    extra_checks: list[Path] = (),
-    solutions: Path = SOLUTIONS,
-    tasks: list | None = None,
-    cell_timeout: float = 300.0,
-    timeout: float = 900.0,
-) -> list[Report]:
-    """Grade submitted notebooks (paths, or (path, tasks) pairs), each in a sealed process of
-    its own, as many at a time as there are cores.
+def __getattr__(name: str):
+    """The grading API (``grade``, ``grade_many``, ...), imported on first use: the worker
+    imports this package for :func:`task` alone, and the notebook reader's imports (nbformat,
+    jsonschema) would cost every submission's process seconds of CPU."""
+    if name in __all__:
+        from pagedlab.grade import batch
 
-    ``tasks`` limits each run to those tasks' checks and stops after their last cell (for fast
-    tests of single tasks); ``None`` grades everything.
-    """
-    jobs, plans = [], []
-    checks = hidden_sources([HIDDEN, *extra_checks])
-    for item in notebooks:
-        path, only = (Path(item[0]), item[1]) if isinstance(item, tuple) else (Path(item), tasks)
-        try:
-            nb = nbformat.read(path, as_version=4)
-            assignment = load(reference_for(path, nb, solutions))
-            submission = assemble(assignment, nb)
-        except Exception as err:  # noqa: BLE001 - one unreadable file is one row, never the batch's end
-            match = ASSIGNMENT.match(path.name)
-            why = str(err) if isinstance(err, ValueError) and path.name in str(err) else f"{type(err).__name__}: {err}"
-            plans.append((Report(path.name, match[1] if match else "?", refused=[f"unreadable: {why}"]),))
-            continue
-        unknown = sorted(set(only or ()) - set(assignment.tasks))
-        if unknown:
-            raise ValueError(f"{path.name}: {assignment.name} has no task {', '.join(unknown)}; "
-                             f"its tasks are {', '.join(assignment.tasks)}")
-        cells, breaches = _checked(assignment, _selected(assignment, submission.cells, only))
-        hidden = [h for h in checks if _for(h["file"], assignment.name)]
-        expected = [(h["label"], name, task) for h in hidden for name, task in h["checks"]
-                    if not only or task in only]
-        plans.append((assignment, submission, cells, path.name, only, breaches, expected))
-        if submission.refusals:
-            continue
-        jobs.append({
-            "assignment": assignment.name,
-            "cells": [{"index": c.index, "kind": c.kind, "task": c.task, "source": c.source} for c in cells],
-            "forbid": assignment.forbid,
-            "hidden": [{"label": h["label"], "source": h["source"]} for h in hidden],
-            "only": only,
-            "cell_timeout": cell_timeout,
-        })
-    protected = [HIDDEN.parent.parent, solutions, *extra_checks]
-    before = _digest(protected)
-    results = iter(_run(jobs, timeout))
-    changed = sorted(p for p, d in _digest(protected).items() if before.get(p) != d)
-    if changed:
-        raise RuntimeError(f"a submission changed the grader's files ({', '.join(changed)}): "
-                           f"restore them; no grade of this batch can be trusted")
-    reports = []
-    for plan in plans:
-        if len(plan) == 1:  # unreadable
-            reports.append(plan[0])
-            continue
-        assignment, submission, cells, name, only, breaches, expected = plan
-        if submission.refusals:
-            report = Report(name, assignment.name, refused=submission.refusals, notes=submission.notes)
-        else:
-            report = score(assignment, cells, next(results), name, expected, breaches)
-            keep = set(only or ()) | {assignment.name} if only else None  # a broken check file fails "A2"
-            report.tasks = [t for t in report.tasks if keep is None or t.task in keep and (t.task in only or not t.ok)]
-            report.notes[:0] = submission.notes
-        reports.append(report)
-    return reports
-
-
-def grade(notebook, **options) -> Report:
-    """Grade one submission; see :func:`grade_many`."""
-    return grade_many([notebook], **options)[0]
-
-
-def _selected(assignment: Assignment, cells: list, tasks: list | None) -> list:
-    """The cells up to the last check of ``tasks`` (all of them: runs that differ only in a
-    late cell then share the cells before it, see worker._run_group)."""
-    if tasks is None:
-        return cells
-    last = max((i for i, c in enumerate(cells) if c.kind == "check" and c.task in tasks), default=len(cells) - 1)
-    return cells[: last + 1]
-
-
-def _checked(assignment: Assignment, cells: list) -> tuple[list, dict[str, list[str]]]:
-    """The cells, each solution cell that breaks a rule emptied (it is not run), and the
-    refusals by task: 'your A2.1 cell (cell 4), line 3: `sys` (no introspection ...)'."""
-    protected, out, breaches = assignment.protected, [], {}
-    for cell in cells:
-        found = rules.check(cell.source, forbid=assignment.forbid, protected=protected) if cell.kind == "solution" else []
-        if found:
-            for task in cell.task.split("/"):
-                breaches.setdefault(task, []).extend(
-                    f"your {cell.task} cell (cell {cell.index}), {b.text()}: it was not run" for b in found)
-            cell = type(cell)(cell.index, cell.kind, "", cell.task, cell.expected, cell.cell_id, cell.tags)
-        out.append(cell)
-    return out, breaches
-
-
-def _for(file: str, assignment: str) -> bool:
-    """Whether a check file belongs to the assignment: A2.py, A2_more.py; not A20.py."""
-    stem = file.removesuffix(".py")
-    return stem.startswith(assignment) and not stem[len(assignment):][:1].isdigit()
-
-
-def hidden_sources(dirs: list[Path]) -> list[dict]:
-    """Every hidden-check file of the directories, read now (the submission never sees the
-    files): a label that shows no path, its text, and (name, task) of each check it defines."""
-    found = []
-    for n, d in enumerate(dirs):
-        for path in sorted(Path(d).glob("A*.py")):
-            source = path.read_text()
-            owner = "pagedlab" if n == 0 else "instructor" + (f" {n}" if len(dirs) > 2 else "")
-            found.append({"label": f"<{owner} check {path.name}>", "file": path.name, "source": source, "checks": _marked(source)})
-    return found
-
-
-def _marked(source: str) -> list[tuple[str, str]]:
-    """(function, task) of each function decorated with ``@task("...")``, read statically."""
-    try:
-        tree = ast.parse(source)
-    except SyntaxError:
-        return []
-    found = []
-    for node in tree.body:
-        for dec in getattr(node, "decorator_list", []):
-            if (isinstance(dec, ast.Call) and getattr(dec.func, "id", getattr(dec.func, "attr", None)) == "task"
-                    and dec.args and isinstance(dec.args[0], ast.Constant)):
-                found.append((node.name, dec.args[0].value))
-    return found
-
-
-def _digest(dirs: list[Path]) -> dict[str, str]:
-    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for d in dirs for p in sorted(Path(d).rglob("*"))
-            if p.is_file() and "__pycache__" not in p.parts}
-
-
-def _run(jobs: list[dict], timeout: float) -> list[dict]:
-    """Each job's results, from a sealed worker process of its own (``{"crash": why}`` if it
-    reported nothing readable)."""
-
-    def one(job):
-        status, out, err = sandbox.run([sys.executable, "-m", "pagedlab.grade.worker"], json.dumps(job), timeout)
-        if status is None:
-            return {"crash": f"the submission ran for more than {timeout:g} s and was stopped"}
-        try:
-            result = json.loads(out)
-        except ValueError:
-            result = None
-        if not isinstance(result, dict):
-            return {"crash": f"the submission's process ended (status {status}) before reporting"}
-        return result
-
-    parallel = max(1, min(len(jobs), len(os.sched_getaffinity(0))))
-    with ThreadPoolExecutor(parallel) as pool:
-        return list(pool.map(one, jobs))
+        return getattr(batch, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

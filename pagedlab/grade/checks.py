@@ -1,5 +1,6 @@
-"""Helpers for hidden checks: Hypothesis settings fit for grading, and a side-by-side replay
-that names the first operation where the student's code and the reference part ways."""
+"""Helpers for hidden checks: Hypothesis settings fit for grading, a side-by-side replay
+that names the first operation where the student's code and the reference part ways, and the
+grader's own copies of notebook helpers that the checks need."""
 
 from __future__ import annotations
 
@@ -34,6 +35,12 @@ def plain(value):
     if type(value) is dict:
         return {plain(k): plain(v) for k, v in value.items()}
     raise TypeError(f"expected plain data (numbers, strings, lists, tuples, dicts), got a {type(value).__name__}")
+
+
+def a5_next_token(tokens):
+    """A5's made-up model (its setup cell's ``next_token``), the grader's own copy for the
+    hidden checks: a submission cannot change it."""
+    return (31 * sum(tokens[-4:]) + 7 * len(tokens)) % 1000
 
 
 class Diverged(AssertionError):

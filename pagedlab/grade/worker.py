@@ -195,16 +195,35 @@ def bindings(namespace: dict, classes: set) -> dict[str, str]:
 
 def library_state() -> dict[tuple[str, str], int]:
     """The identity of every public function, class and module that the libraries a check may
-    use expose: a solution cell must leave them as it found them (``torch.equal = ...``)."""
-    roots = set(rules.IMPORTS) | {"builtins", "pagedlab", "hypothesis"}
-    state = {}
+    use expose, and of the attributes of pagedlab's classes and of torch.Tensor (what the
+    checks call on the library's objects): student code must leave them as it found them
+    (``torch.equal = ...``, ``lib = KVCacheManager; lib.allocate = ...``)."""
+    # Not triton: its interpreter replaces triton.language's functions while it runs a kernel,
+    # and no check relies on them (a kernel is checked by what it computes).
+    roots = set(rules.IMPORTS) - {"triton"} | {"builtins", "pagedlab", "hypothesis"}
+    state, classes = {}, set()
     for name, module in list(sys.modules.items()):
         if name.split(".")[0] not in roots or "._" in name or module is None:
             continue
         for attr, value in list(vars(module).items()):
             if not attr.startswith("_") and (callable(value) or isinstance(value, types.ModuleType)):
                 state[name, attr] = id(value)
+                if isinstance(value, type) and value.__module__.split(".")[0] == "pagedlab":
+                    classes.add(value)
+    if "torch" in sys.modules:
+        classes.add(sys.modules["torch"].Tensor)
+    for cls in classes:
+        for attr, value in list(vars(cls).items()):
+            if not attr.startswith("__") and (callable(value) or hasattr(value, "__get__")):
+                state[cls.__module__, f"{cls.__qualname__}.{attr}"] = id(value)
     return state
+
+
+def _changed(before: dict, task: str, when: str = "") -> None:
+    """Record each library attribute that is no longer what it was ``before``."""
+    after = library_state()
+    for module, attr in sorted(k for k in before if after.get(k, before[k]) != before[k]):
+        RUN.violations.append({"task": task, "what": f"replaces {module}.{attr}{when}", "where": ""})
 
 
 # -- running one job ---------------------------------------------------------------------------
@@ -231,8 +250,10 @@ def _error(exc: BaseException, filenames) -> dict:
 
 
 def hidden_checks(assignment: str, sources: list[dict]) -> tuple[list, list[dict]]:
-    """(label, function) of every hidden check in the sources ({"label", "source"}), in order,
-    and an error entry for each source that failed to load (so that it fails the grade)."""
+    """(label, function, arguments after the notebook) of every hidden check in the sources
+    ({"label", "source", "references"}), in order, and an error entry for each source that
+    failed to load (so that it fails the grade). A check that names a reference gets the value
+    the grader computed in its own process (see ``pagedlab.grade.task``)."""
     found, broken = [], []
     for i, item in enumerate(sources):
         module = types.ModuleType(f"hidden_{i}")
@@ -242,7 +263,9 @@ def hidden_checks(assignment: str, sources: list[dict]) -> tuple[list, list[dict
             broken.append({"name": f"loading {item['label']}", "task": assignment, "file": item["label"],
                            "doc": "", "error": _error(exc, set())})
             continue
-        found += [(item["label"], fn) for fn in vars(module).values() if hasattr(fn, "__grade_task__")]
+        references = item.get("references", {})
+        found += [(item["label"], fn, [references.get(fn.__name__)] if getattr(fn, "__grade_reference__", None) else [])
+                  for fn in vars(module).values() if hasattr(fn, "__grade_task__")]
     return found, broken
 
 
@@ -279,9 +302,7 @@ def _run_cell(cell: dict, job: dict) -> dict:
     except BaseException as exc:  # noqa: BLE001 - a student's error (even exit()) is a result
         result["error"] = _error(exc, set(RUN.solution_files) | RUN.check_files)
     if cell["kind"] == "solution":
-        after = library_state()
-        for module, attr in sorted(k for k in state if after.get(k, state[k]) != state[k]):
-            RUN.violations.append({"task": cell["task"], "what": f"replaces {module}.{attr}", "where": ""})
+        _changed(state, cell["task"])
     if cell["kind"] == "solution" and classes:
         for name, what in bindings(namespace, classes).items():
             if before.get(name) != what:
@@ -294,20 +315,22 @@ def _run_cell(cell: dict, job: dict) -> dict:
 def _finish(job: dict, cells: list[dict]) -> dict:
     """After a job's cells: its hidden checks, and its whole result."""
     found, hidden = hidden_checks(job["assignment"], job["hidden"])
-    found = [(path, fn) for path, fn in found if not job["only"] or fn.__grade_task__ in job["only"]]
-    RUN.check_files.update(path for path, _ in found)
-    for path, fn in found:
+    found = [(path, fn, args) for path, fn, args in found if not job["only"] or fn.__grade_task__ in job["only"]]
+    RUN.check_files.update(path for path, _, _ in found)
+    for path, fn, args in found:
         RUN.out, RUN.student_out = io.StringIO(), io.StringIO()
         entry = {"name": fn.__name__, "task": fn.__grade_task__, "file": path,
                  "doc": " ".join((fn.__doc__ or "").strip().split("\n\n")[0].split()), "error": None}
+        state = library_state()
         try:
             _alarm(job["cell_timeout"])
             try:
-                fn(Notebook(**RUN.namespace))
+                fn(Notebook(**RUN.namespace), *args)
             finally:
                 signal.setitimer(signal.ITIMER_REAL, 0)
         except BaseException as exc:  # noqa: BLE001
             entry["error"] = _error(exc, set(RUN.solution_files) | RUN.check_files)
+        _changed(state, fn.__grade_task__, f" during the hidden check {fn.__name__}")
         hidden.append(entry)
     return {"cells": cells, "hidden": hidden, "violations": RUN.violations}
 

@@ -1,5 +1,6 @@
 """Hidden checks of A5: other seeded workloads and configurations, step for step beside
-pagedlab's Scheduler (through the notebook's serve_library), and the outputs' invariance."""
+pagedlab's Scheduler, which the grader runs in its own process (``task(reference=...)``): a
+submission cannot change the reference it is compared with."""
 
 import random
 
@@ -9,7 +10,7 @@ from hypothesis import strategies as st
 from pagedlab.grade import task
 from pagedlab import SamplingParams
 from pagedlab.engine import GroupOutput, Scheduler, SchedulerConfig, SequenceOutput
-from pagedlab.grade.checks import GRADING, expect, outcome, plain
+from pagedlab.grade.checks import GRADING, a5_next_token, expect, outcome, plain
 from pagedlab.memory import KVCacheManager
 
 
@@ -41,10 +42,38 @@ def _workload(rng, n):
             for i in range(n)]
 
 
-@task("A5.4")
-def check_other_workloads_beside_the_library(nb):
-    """Ten seeded workloads and configurations (block sizes, seat caps, budgets, watermarks,
-    both preemption modes): the same finish steps, preemptions, recomputed tokens and copies."""
+def _library_run(workload, blocks, block_size, cpu, config, limit=500):
+    """The workload served by pagedlab's Scheduler with whole prompts: each step's [prefills,
+    decodes, preempted, swapped in, blocks copied], and serve's counts. Computed by the grader
+    (``task(reference=...)``), where no student code runs."""
+    lib = Scheduler(KVCacheManager(blocks, block_size, cpu),
+                    SchedulerConfig(chunked_prefill=False, max_num_seqs=config["max_num_seqs"],
+                                    max_num_batched_tokens=config["max_num_batched_tokens"],
+                                    watermark=config["watermark"], preemption_mode=config["mode"]))
+    for rid, prompt, max_tokens in workload:
+        lib.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens))
+    steps, finish, preemptions = [], {}, {rid: 0 for rid, _, _ in workload}
+    recomputed, copied = -sum(len(p) for _, p, _ in workload), 0
+    while lib.has_unfinished and len(steps) < limit:
+        step = lib.schedule()
+        rid = {seq.seq_id: g.request_id for g in step.groups for seq in g.seqs}
+        s = step.stats
+        steps.append([[rid[c.seq.seq_id] for c in step.prefills], [rid[c.seq.seq_id] for c in step.decodes],
+                      [list(p) for p in s.preempted], list(s.swapped_in), s.blocks_swapped_out + s.blocks_swapped_in])
+        recomputed += s.prefill_tokens
+        copied += s.blocks_swapped_out + s.blocks_swapped_in
+        for preempted, _ in s.preempted:
+            preemptions[preempted] += 1
+        for group in lib.update([GroupOutput(g, [SequenceOutput(q, a5_next_token(q.token_ids), 0.0) for q in g.live])
+                                 for g in step.groups]):
+            finish[group.request_id] = len(steps) - 1
+    return {"steps": steps, "finish_steps": finish, "preemptions": preemptions, "recomputed": recomputed,
+            "blocks_copied": copied}
+
+
+def _other_workloads():
+    """Ten seeded workloads and configurations for serve (A5.4)."""
+    cases = []
     for seed in range(10):
         rng = random.Random(seed)
         workload = _workload(rng, rng.randint(3, 10))
@@ -54,38 +83,26 @@ def check_other_workloads_beside_the_library(nb):
         config = dict(block_size=bs, max_num_seqs=rng.randint(1, 5), max_num_batched_tokens=rng.choice([16, 32, 64]),
                       watermark=rng.choice([0.0, 0.1]), mode=rng.choice(["recompute", "swap"]))
         cpu = rng.choice([0, 4, 64]) if config["mode"] == "swap" else 0
-        ours = nb.serve(workload, blocks, num_cpu_blocks=cpu, **config)
-        theirs = nb.serve_library(workload, blocks, num_cpu_blocks=cpu, **config)
+        cases.append((seed, workload, blocks, cpu, config))
+    return cases
+
+
+def _served_by_the_library():
+    runs = [_library_run(workload, blocks, config["block_size"], cpu, config, limit=10**6)
+            for _, workload, blocks, cpu, config in _other_workloads()]
+    return [{**{k: v for k, v in run.items() if k != "steps"}, "steps": len(run["steps"])} for run in runs]
+
+
+@task("A5.4", reference=_served_by_the_library)
+def check_other_workloads_beside_the_library(nb, library):
+    """Ten seeded workloads and configurations (block sizes, seat caps, budgets, watermarks,
+    both preemption modes): the same finish steps, preemptions, recomputed tokens and copies."""
+    for (seed, workload, blocks, cpu, config), theirs in zip(_other_workloads(), library):
+        ours = nb.serve([(rid, list(p), m) for rid, p, m in workload], blocks, num_cpu_blocks=cpu, **dict(config))
         for key in theirs:
             expect(seed, f"serve(seeded workload {seed}, {blocks} GPU / {cpu} CPU blocks, {config})",
                    key, theirs[key], ours[key])
         expect(seed, "the same run", "leaked (GPU, CPU) blocks", (0, 0), ours["leaked"])
-
-
-def _next_token(tokens):
-    """The notebook's made-up model (its setup cell's next_token), the grader's own copy."""
-    return (31 * sum(tokens[-4:]) + 7 * len(tokens)) % 1000
-
-
-def _library_steps(workload, blocks, block_size, cpu, config, limit=500):
-    """Each step's (prefills, decodes, preempted, swapped in, blocks copied) under pagedlab's
-    Scheduler with whole prompts: the reference, computed here, never by the notebook."""
-    lib = Scheduler(KVCacheManager(blocks, block_size, cpu),
-                    SchedulerConfig(chunked_prefill=False, max_num_seqs=config["max_num_seqs"],
-                                    max_num_batched_tokens=config["max_num_batched_tokens"],
-                                    watermark=config["watermark"], preemption_mode=config["mode"]))
-    for rid, prompt, max_tokens in workload:
-        lib.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens))
-    steps = []
-    while lib.has_unfinished and len(steps) < limit:
-        step = lib.schedule()
-        rid = {seq.seq_id: g.request_id for g in step.groups for seq in g.seqs}
-        s = step.stats
-        steps.append(([rid[c.seq.seq_id] for c in step.prefills], [rid[c.seq.seq_id] for c in step.decodes],
-                      [tuple(p) for p in s.preempted], list(s.swapped_in), s.blocks_swapped_out + s.blocks_swapped_in))
-        lib.update([GroupOutput(g, [SequenceOutput(q, _next_token(q.token_ids), 0.0) for q in g.live])
-                    for g in step.groups])
-    return steps
 
 
 def _small_workloads(count):
@@ -107,26 +124,30 @@ def _small_workloads(count):
     return sorted(cases, key=lambda c: c[:2])
 
 
-@task("A5.3")
-def check_steps_beside_the_library(nb):
+def _library_search():
+    return [_library_run(workload, blocks, bs, cpu, config)["steps"]
+            for _, _, workload, blocks, bs, cpu, config in _small_workloads(2000)]
+
+
+@task("A5.3", reference=_library_search)
+def check_steps_beside_the_library(nb, library):
     """A differential search: 2,000 seeded small workloads (swap and recompute, tight GPU and
     CPU pools, seat caps, budgets, watermarks), each served step by step by your MiniScheduler
     and by pagedlab's Scheduler; the smallest workload where they part is shown."""
-    for _, seed, workload, blocks, bs, cpu, config in _small_workloads(2000):
-        expected = _library_steps(workload, blocks, bs, cpu, config)
+    for (_, seed, workload, blocks, bs, cpu, config), expected in zip(_small_workloads(2000), library):
         sched = nb.MiniScheduler(KVCacheManager(blocks, bs, num_cpu_blocks=cpu), config["max_num_seqs"],
                                  config["max_num_batched_tokens"], watermark=config["watermark"], mode=config["mode"])
         for rid, prompt, max_tokens in workload:
-            sched.add(rid, prompt, max_tokens)
+            sched.add(rid, list(prompt), max_tokens)
         where = (f"workload {seed}: {[(rid, len(p), m) for rid, p, m in workload]} (request, prompt length, "
                  f"max tokens), {blocks} GPU / {cpu} CPU blocks of {bs}, {config}")
         for index, theirs in enumerate(expected):
             def step():
                 s = sched.schedule()
-                summary = ([r.rid for r in s.prefills], [r.rid for r in s.decodes], [tuple(p) for p in s.preempted],
-                           list(s.swapped_in), s.blocks_copied)
+                summary = [[r.rid for r in s.prefills], [r.rid for r in s.decodes], [list(p) for p in s.preempted],
+                           list(s.swapped_in), s.blocks_copied]
                 sched.update(s)
                 return summary
             ours = outcome(step)
-            expect(index, where, "step (prefills, decodes, preempted, swapped in, blocks copied)",
+            expect(index, where, "step [prefills, decodes, preempted, swapped in, blocks copied]",
                    ("ok", theirs), ours if ours[0] == "error" else ("ok", plain(ours[1])))

@@ -4,7 +4,7 @@ seeded workloads, and the situations a chunked step must get right, each worked 
 import random
 
 from pagedlab.grade import task
-from pagedlab.grade.checks import expect
+from pagedlab.grade.checks import a5_next_token, expect
 from pagedlab.memory import KVCacheManager
 
 
@@ -111,14 +111,14 @@ def _side_by_side(nb, label, arrivals, num_blocks, block_size, budget, seats, wa
     ``expected_steps``, worked out by hand, pins the first steps' summaries."""
     manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
     sched = nb.MiniScheduler(manager, max_num_seqs=seats, max_num_batched_tokens=budget, watermark=watermark)
-    ref = Reference(nb.next_token, num_blocks, block_size, budget, seats, watermark, prefix_caching)
+    ref = Reference(a5_next_token, num_blocks, block_size, budget, seats, watermark, prefix_caching)
     requests = {}
     last = max(arrivals)
     while sched.num_steps <= last or sched.has_unfinished or ref.has_unfinished:
         index = sched.num_steps
         for rid, prompt, max_tokens in arrivals.get(index, ()):
-            requests[rid] = sched.add(rid, prompt, max_tokens)
             ref.add(rid, prompt, max_tokens)
+            requests[rid] = sched.add(rid, list(prompt), max_tokens)
         theirs = ref.step()
         step = sched.schedule_chunked()
         ours = _summary(step)
