@@ -155,6 +155,22 @@ def test_ngram_speculation_keeps_replies(real):
     assert llm.stats.prefix_hits > 0
 
 
+def test_draft_model_speculation_keeps_replies(real):
+    """The same with an early-exit draft of SmolLM2 (its first 6 layers, its norm and head) on
+    a paged cache of its own: rolled back with the target's, the replies do not change."""
+    llm = LLM(real["model"], tokenizer=real["tokenizer"], block_size=16,
+              enable_prefix_caching=True, max_num_batched_tokens=32, max_num_seqs=4,
+              speculative_config={"method": "draft_model", "num_speculative_tokens": 3,
+                                  "draft_layers": 6})
+    outs = llm.generate(real["texts"], GREEDY, use_tqdm=False)
+    assert token_ids(outs) == real["refs"]
+    stats = llm.scheduler.spec_stats
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
+    assert llm.stats.prefix_hits > 0
+    proposer = llm.scheduler.proposer
+    assert proposer.manager.num_free_blocks == proposer.manager.num_gpu_blocks  # all returned
+
+
 def test_prefix_cache_hits_the_shared_system_prompt(real):
     """The chat template puts the same system prompt before every question: its full blocks are
     computed once and hit by the later requests, and the replies do not change."""
