@@ -343,6 +343,33 @@ def test_the_simulator_prices_verification_and_yields_accepted_tokens():
     assert run(256, spec, 0.6).finish.max() > run(256).finish.max()
 
 
+def test_the_simulator_prices_a_draft_model_as_leviathan_et_al_s_c():
+    """One sequence on Llama-3-8B and an A100, bound by reading the weights, so a verification
+    step costs what a decode step does: with every proposal accepted, a draft of cost c per
+    pass makes each step of gamma + 1 tokens cost 1 + gamma * c decode steps, Leviathan et
+    al.'s (gamma + 1) / (gamma * c + 1) speed-up as alpha goes to 1."""
+    from pagedlab.engine import SchedulerConfig
+    from pagedlab.sim import Request
+    from pagedlab.sim.cost_model import CostModel
+    from pagedlab.sim.simulator import PagedConfig, SimExecutor, simulate_paged
+
+    cost, gamma, c = CostModel("Llama-3-8B", "A100-80GB"), 3, 0.25
+    spec = SchedulerConfig(speculative_config={"num_speculative_tokens": gamma})
+
+    def decode_seconds(scheduler=SchedulerConfig(), **config):
+        run = simulate_paged([Request(0, 0.0, 64, 97)], cost,
+                             PagedConfig(scheduler=scheduler, **config))
+        return run.finish[0] - run.first_token[0]  # 96 tokens after the prompt's
+
+    plain = decode_seconds()
+    free_draft = decode_seconds(spec, acceptance_rate=1.0)
+    drafted = decode_seconds(spec, acceptance_rate=1.0, draft_cost=c)
+    assert free_draft == pytest.approx(plain / (gamma + 1), rel=0.02)
+    assert drafted == pytest.approx(plain * (gamma * c + 1) / (gamma + 1), rel=0.02)
+    with pytest.raises(ValueError, match="draft_cost=-0.5 must be >= 0"):
+        SimExecutor(cost, 16, draft_cost=-0.5)
+
+
 def test_metrics_report_drafts_and_acceptances_under_vllm_s_names(case):
     pytest.importorskip("prometheus_client")
     from types import SimpleNamespace

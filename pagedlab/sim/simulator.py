@@ -48,13 +48,17 @@ class SimExecutor:
     With speculative decoding, a verification step is priced as its chunks are (the pending
     token and ``k`` proposals per sequence, attended like a prefill chunk), and each proposal
     is accepted with probability ``acceptance_rate``, independently, until the first
-    rejection (the model behind Leviathan et al.'s expected speed-up)."""
+    rejection (the model behind Leviathan et al.'s expected speed-up). A draft model's
+    proposals cost ``draft_cost`` of a target decode step over the same sequences, once per
+    proposal (its ``c``; 0 for n-gram lookup, whose host work the cost model leaves out)."""
 
     def __init__(self, cost: CostModel, block_size: int, acceptance_rate: float = 0.0,
-                 seed: int = 0):
+                 seed: int = 0, draft_cost: float = 0.0):
+        check_positive("draft_cost", draft_cost, allow_zero=True)
         self.cost, self.block_size = cost, block_size
         self.placeholders = Placeholders(TOKEN)
         self.acceptance_rate, self.rng = acceptance_rate, np.random.default_rng(seed)
+        self.draft_cost = draft_cost
 
     def execute(self, step: Step) -> StepOutput:
         """What ``step`` costs and produces."""
@@ -66,6 +70,10 @@ class SimExecutor:
         outputs = self.placeholders.outputs(step)
         if step.num_draft_tokens:
             drafts = {c.seq.seq_id: len(c.draft) for c in step.decodes if c.draft}
+            if self.draft_cost:  # a draft pass per proposal, over the sequences it drafts for
+                contexts = [c.start + 1 for c in step.decodes if c.draft]
+                seconds += self.draft_cost * max(drafts.values()) * self.cost.step_time(
+                    [], contexts, self.block_size)
             for child in (c for out in outputs for c in out.children):
                 k = drafts.get(child.parent.seq_id, 0)
                 accepted = int(np.argmin(np.append(self.rng.random(k) < self.acceptance_rate,
@@ -85,6 +93,7 @@ class PagedConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     n: int = 1  # parallel samples per request
     acceptance_rate: float = 0.0  # of each speculative proposal (scheduler.speculative_config)
+    draft_cost: float = 0.0  # a draft model's pass over a target decode step's (n-gram: 0)
     record_token_times: bool = False  # keep when each step gave each request tokens
 
 
@@ -108,7 +117,7 @@ def simulate_paged(
     if sched_config.max_model_len is None and cost.max_context:
         sched_config = replace(sched_config, max_model_len=cost.max_context)
     scheduler = scheduler_class(manager, sched_config)
-    executor = SimExecutor(cost, bs, config.acceptance_rate)
+    executor = SimExecutor(cost, bs, config.acceptance_rate, draft_cost=config.draft_cost)
     params = {r.id: SamplingParams(n=config.n, max_tokens=r.output_len, ignore_eos=True)
               for r in requests}
     pending = sorted(requests, key=lambda r: (r.arrival, r.id))
