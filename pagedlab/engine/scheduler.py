@@ -381,10 +381,10 @@ class Scheduler:
         else:
             mode = "recompute"  # also the fallback when the CPU pool is full
             for seq_id in ids:
-                self._free(seq_id)
+                self.manager.free(seq_id)
             group.status = GroupStatus.WAITING
             enqueue(self.config.policy, self.waiting, group)  # FCFS: before later arrivals
-        if self.proposer is not None and mode == "swap":  # a draft's cache is not swapped
+        if self.proposer is not None:  # a draft's cache is neither swapped nor kept
             for seq_id in ids:
                 self.proposer.free(seq_id)
         step.preempted.append((group, mode))
@@ -476,14 +476,15 @@ class Scheduler:
         if plan and group.metrics.first_token_time is None:
             group.metrics.first_token_time = time.monotonic()
         for seq, child in plan:
-            proposed = self.proposer is not None and self.manager.num_tokens(seq.seq_id) - len(seq)
-            if proposed:  # a verification step: the cache keeps what it accepted
-                self.manager.truncate(seq.seq_id, len(seq) + len(child.accepted))
-                self.spec_stats.observe(proposed, len(child.accepted))
-                group.metrics.num_draft_tokens += proposed
-                group.metrics.num_accepted_tokens += len(child.accepted)
-            if self.proposer is not None:  # a draft's cache keeps what the target's kept
-                self.proposer.keep(seq.seq_id, len(seq) + len(child.accepted))
+            if self.proposer is not None:
+                num_kept = len(seq) + len(child.accepted)
+                proposed = self.manager.num_tokens(seq.seq_id) - len(seq)
+                if proposed:  # a verification step: the cache keeps what it accepted
+                    self.manager.truncate(seq.seq_id, num_kept)
+                    self.spec_stats.observe(proposed, len(child.accepted))
+                    group.metrics.num_draft_tokens += proposed
+                    group.metrics.num_accepted_tokens += len(child.accepted)
+                self.proposer.keep(seq.seq_id, num_kept)  # a draft's cache keeps the same
             for token, logprob, top in [*child.accepted, (child.token, child.logprob, child.top)]:
                 seq.append(token, logprob, top)
                 if not group.is_beam_search and group.stops(seq):
