@@ -46,146 +46,23 @@ first, then copy-on-write, then the forward pass.
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections import deque
 
-from pagedlab.engine.beams import BeamSearchParams
+from pagedlab.engine.lifecycle import CacheTooSmall, RequestLifecycle, TooManySequences
 from pagedlab.engine.policy import enqueue, ranked
 from pagedlab.engine.scheduler_config import PREEMPTION_MODES, SchedulerConfig
-from pagedlab.engine.sequence import GroupOutput, GroupStatus, Sequence, SequenceGroup
-from pagedlab.engine.speculative import SpecDecodingStats
+from pagedlab.engine.sequence import GroupStatus, SequenceGroup
 from pagedlab.engine.step import Chunk, Step
-from pagedlab.memory import KVCacheManager
 
 __all__ = ["PREEMPTION_MODES", "CacheTooSmall", "Scheduler", "SchedulerConfig",
            "TooManySequences"]
 
 
-class CacheTooSmall(RuntimeError):
-    """A request can never run: the whole cache is too small for it. Names the request."""
-
-
-class TooManySequences(ValueError):
-    """A request runs more sequences at once (``n``, ``beam_width``) than ``max_num_seqs``."""
-
-
-class Scheduler:
+class Scheduler(RequestLifecycle):
     """Continuous batching with preemption, in the order of ``config.policy`` (FCFS by
-    default); one instance per engine or simulation."""
-
-    def __init__(self, manager: KVCacheManager, config: SchedulerConfig | None = None,
-                 proposer=None):
-        self.manager = manager
-        self.config = config or SchedulerConfig()
-        self.waiting: deque[SequenceGroup] = deque()  # waiting and swapped: in policy order
-        self.running: list[SequenceGroup] = []
-        self.swapped: list[SequenceGroup] = []
-        self.unfinished: dict[str, SequenceGroup] = {}  # by request id, whatever their queue
-        self.num_steps = 0
-        spec = self.config.speculative_config
-        self.proposer = None if spec is None else proposer or spec.proposer()
-        self.spec_stats = SpecDecodingStats()
-        self._seq_ids = itertools.count()
-        self._arrivals = itertools.count()
-
-    @property
-    def watermark_blocks(self) -> int:
-        """GPU blocks admission leaves free (the cache may grow, so this follows it)."""
-        return int(self.config.watermark * self.manager.num_gpu_blocks)
-
-    # --- requests ---------------------------------------------------------------------------
-
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params,
-                    stop_token_ids=(), generators=(), priority: int = 0) -> SequenceGroup:
-        """Queue a request; raise :class:`CacheTooSmall` if its prompt can never be admitted.
-
-        ``params`` is a SamplingParams or BeamSearchParams; ``generators`` the random stream
-        of each parallel sample (None entries: the global one); ``priority`` the request's
-        urgency, smaller first, which only a :class:`~pagedlab.engine.policy.Priority` policy
-        (or one of your own) reads.
-        """
-        prompt = list(prompt_token_ids)
-        if not prompt:
-            raise ValueError(f"request {request_id!r}: the prompt is empty")
-        if params.width > self.config.max_num_seqs:
-            raise TooManySequences(
-                f"request {request_id!r} runs {params.width} sequences at once, more than "
-                f"max_num_seqs={self.config.max_num_seqs}"
-            )
-        need = self.manager.blocks_for(len(prompt))
-        capacity = self.manager.num_gpu_blocks - self.watermark_blocks
-        if need > capacity:
-            raise CacheTooSmall(
-                f"request {request_id!r}: its prompt of {len(prompt)} tokens needs {need} "
-                f"blocks of {self.manager.block_size} tokens, but admission can use at most "
-                f"{capacity} ({self.manager.num_gpu_blocks} blocks, {self.watermark_blocks} kept "
-                "free as the watermark)"
-            )
-        group = SequenceGroup(
-            request_id,
-            next(self._arrivals),
-            prompt,
-            [Sequence(next(self._seq_ids), prompt)],
-            params,
-            is_beam_search=isinstance(params, BeamSearchParams),
-            priority=priority,
-            stop_token_ids=frozenset(stop_token_ids),
-            generators=list(generators) or [None] * params.width,
-        )
-        if request_id in self.unfinished:
-            raise ValueError(f"request {request_id!r} is already running; ids must be unique")
-        enqueue(self.config.policy, self.waiting, group)
-        self.unfinished[request_id] = group
-        return group
-
-    @property
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
-
-    def abort_all(self) -> None:
-        """Drop every unfinished request, its blocks and any copies pending (after an error,
-        which may have struck between taking a group off its queue and putting it back)."""
-        for group in list(self.unfinished.values()):
-            self._end(group, "abort")
-        self.waiting.clear()
-        self.running.clear()
-        self.swapped.clear()
-        self.manager.take_copies()
-
-    def abort(self, group: SequenceGroup) -> None:
-        """Drop one unfinished request and free its blocks (vLLM's ``abort_request``)."""
-        if group.status is GroupStatus.FINISHED:
-            raise ValueError(f"request {group.request_id!r} has already finished")
-        self._end(group, "abort")
-
-    def _end(self, group: SequenceGroup, reason: str | None, error: Exception | None = None):
-        """The one way a request ends (its sequences done, aborted, or failed with ``error``):
-        off its queue, every live sequence finished with ``reason`` and its blocks freed."""
-        queue = {GroupStatus.RUNNING: self.running, GroupStatus.SWAPPED: self.swapped,
-                 GroupStatus.WAITING: self.waiting}.get(group.status, ())
-        if group in queue:  # not there if an error struck while it was off its queue
-            queue.remove(group)
-        for seq in group.live:
-            if seq.seq_id in self.manager:
-                self._free(seq.seq_id)
-            seq.finish_reason = reason
-        group.status, group.error = GroupStatus.FINISHED, error
-        group.metrics.finished_time = time.monotonic()
-        self.unfinished.pop(group.request_id, None)
-
-    def _free(self, seq_id: int) -> None:
-        """Give back a sequence's blocks, and its draft model's (speculative decoding)."""
-        self.manager.free(seq_id)
-        if self.proposer is not None:
-            self.proposer.free(seq_id)
-
-    def _fail(self, group: SequenceGroup, error: Exception, step: Step) -> None:
-        """Rule 6: a request that can never run finishes with ``error``; the others go on."""
-        self._end(group, "error", error)
-        step.failed.append(group)
-
-    # --- forming a step ---------------------------------------------------------------------
+    default); one instance per engine or simulation. The queues and a request's way in and
+    out are :class:`~pagedlab.engine.lifecycle.RequestLifecycle`'s."""
 
     def schedule(self) -> Step:
         """Form the next step: decode the running, continue partial prefills, then swap in or
@@ -220,6 +97,11 @@ class Scheduler:
             if step.is_empty:
                 head = self.swapped[0] if self.swapped else self.waiting[0]
                 self._fail(head, self._too_small(head, self._blocks_to_resume(head)), step)
+
+    def _fail(self, group: SequenceGroup, error: Exception, step: Step) -> None:
+        """Rule 6: a request that can never run finishes with ``error``; the others go on."""
+        self._end(group, "error", error)
+        step.failed.append(group)
 
     def _schedule_running(self, step: Step) -> None:
         """Decodes first, in the policy's order, preempting from the order's end when the
@@ -307,8 +189,8 @@ class Scheduler:
             group = self.waiting[0]
             budget = self._budget_left(step)
             if len(group.live) > 1:  # a forked group recomputed: its prompt once, unchunked
-                tokens = sum(map(len, group.live)) - (len(group.live) - 1) * self._shared_prompt(
-                    group)
+                shared = group.shared_prompt(self.manager.block_size)
+                tokens = sum(map(len, group.live)) - (len(group.live) - 1) * shared
                 if not self._can_resume(group, self._blocks_to_resume(group)):
                     return
                 if tokens > budget and not step.is_empty:  # too big for the budget: runs alone
@@ -346,16 +228,8 @@ class Scheduler:
         seqs = group.live
         starts = self.manager.allocate_shared([s.seq_id for s in seqs],
                                               [s.token_ids for s in seqs],
-                                              self._shared_prompt(group))
+                                              group.shared_prompt(self.manager.block_size))
         return [Chunk.of(self.manager, s, start, len(s) - start) for s, start in zip(seqs, starts)]
-
-    def _shared_prompt(self, group: SequenceGroup) -> int:
-        """Prompt tokens in full blocks that a waiting group's live sequences will share
-        (0 if only one sequence is left, or the prompt fills no block)."""
-        if len(group.live) < 2:
-            return 0
-        bs = self.manager.block_size
-        return len(group.prompt_token_ids) // bs * bs
 
     def _decode(self, group: SequenceGroup, step: Step) -> None:
         """Store each live sequence's pending token; its key and value come this step."""
@@ -408,7 +282,7 @@ class Scheduler:
             return group.blocks_to_swap_in
         if len(group.live) == 1 and self.config.chunked_prefill:
             return self.manager.blocks_for(min(len(group.live[0]), self.config.token_budget))
-        shared = self._shared_prompt(group)
+        shared = group.shared_prompt(self.manager.block_size)
         return shared // self.manager.block_size + sum(
             self.manager.blocks_for(len(seq) - shared) for seq in group.live)
 
@@ -426,67 +300,3 @@ class Scheduler:
             f"on; the cache has {m.num_gpu_blocks}, of which admission keeps "
             f"{self.watermark_blocks} free: give it more blocks or fewer tokens"
         )
-
-    # --- after the step ---------------------------------------------------------------------
-
-    def update(self, outputs: list[GroupOutput]) -> list[SequenceGroup]:
-        """Apply a step's sampled tokens: fork, prune, stop, free. Return the groups finished.
-
-        The step has run, so its keys and values are in the cache: the blocks it filled may
-        serve prefix hits from now on (see :meth:`KVCacheManager.rollback` for a step that
-        failed instead).
-        """
-        finished = []
-        for out in outputs:
-            group = out.group
-            if out.done:  # beam search over: the finished beams are in group.completed
-                for seq in group.live:
-                    self._free(seq.seq_id)
-                group.seqs = []
-            else:
-                self._apply(group, out.children)
-            if not group.live:
-                self._end(group, None)
-                finished.append(group)
-        self.manager.commit()
-        return finished
-
-    def _apply(self, group: SequenceGroup, children) -> None:
-        """Give each child a sequence: its parent for the first child, a fork for the others.
-
-        Forks first, so that a fork copies its parent before the parent takes its new token;
-        live sequences left without a child (pruned beams) are freed.
-        """
-        kept, plan = set(), []
-        for child in children:
-            parent = child.parent
-            if parent.seq_id in kept:
-                seq = parent.fork(next(self._seq_ids), index=len(group.seqs))
-                self.manager.fork(parent.seq_id, seq.seq_id)
-                group.seqs.append(seq)  # at once: an abort must find every sequence
-                kept.add(seq.seq_id)
-            else:
-                seq = parent
-                kept.add(parent.seq_id)
-            plan.append((seq, child))
-        for seq in group.live:
-            if seq.seq_id not in kept:
-                self._free(seq.seq_id)
-        group.seqs = [s for s in group.seqs if s.is_finished] + [seq for seq, _ in plan]
-        if plan and group.metrics.first_token_time is None:
-            group.metrics.first_token_time = time.monotonic()
-        for seq, child in plan:
-            if self.proposer is not None:
-                num_kept = len(seq) + len(child.accepted)
-                proposed = self.manager.num_tokens(seq.seq_id) - len(seq)
-                if proposed:  # a verification step: the cache keeps what it accepted
-                    self.manager.truncate(seq.seq_id, num_kept)
-                    self.spec_stats.observe(proposed, len(child.accepted))
-                    group.metrics.num_draft_tokens += proposed
-                    group.metrics.num_accepted_tokens += len(child.accepted)
-                self.proposer.keep(seq.seq_id, num_kept)  # a draft's cache keeps the same
-            for token, logprob, top in [*child.accepted, (child.token, child.logprob, child.top)]:
-                seq.append(token, logprob, top)
-                if not group.is_beam_search and group.stops(seq):
-                    self._free(seq.seq_id)
-                    break

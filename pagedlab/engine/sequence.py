@@ -157,6 +157,43 @@ class SequenceGroup:
     def is_finished(self) -> bool:
         return self.status is GroupStatus.FINISHED
 
+    def shared_prompt(self, block_size: int) -> int:
+        """Prompt tokens in full blocks its live sequences share when it is recomputed (0 if
+        only one sequence is left, or the prompt fills no block)."""
+        if len(self.live) < 2:
+            return 0
+        return len(self.prompt_token_ids) // block_size * block_size
+
+    def assign(self, children: list[SequenceOutput], new_id: Callable[[], int]):
+        """Give each child a sequence: its parent for the first child, a fork of the parent
+        (id ``new_id()``) for each other, made before any parent takes its token.
+
+        Returns the (sequence, child) pairs, the (parent, fork) pairs whose blocks the caller
+        shares, and the live sequences left without a child (pruned beams), whose blocks the
+        caller frees.
+        """
+        taken, plan, forks = set(), [], []
+        for child in children:
+            seq = child.parent
+            if seq.seq_id in taken:
+                seq = seq.fork(new_id(), index=len(self.seqs))
+                self.seqs.append(seq)  # at once: an abort must find every sequence
+                forks.append((child.parent, seq))
+            taken.add(seq.seq_id)
+            plan.append((seq, child))
+        pruned = [s for s in self.live if s.seq_id not in taken]
+        self.seqs = [s for s in self.seqs if s.is_finished] + [seq for seq, _ in plan]
+        return plan, forks, pruned
+
+    def take(self, seq: Sequence, child: SequenceOutput) -> bool:
+        """Append ``child``'s tokens (its accepted proposals, then its own) to ``seq`` until
+        one ends it (beams end as a whole); return whether one did."""
+        for token, logprob, top in [*child.accepted, (child.token, child.logprob, child.top)]:
+            seq.append(token, logprob, top)
+            if not self.is_beam_search and self.stops(seq):
+                return True
+        return False
+
     def stops(self, seq: Sequence) -> bool:
         """Does ``seq``'s last token end it: a stop token or string, ``max_tokens`` or the
         model's length? If so, mark it finished, saying why (its blocks are the caller's)."""
