@@ -17,6 +17,7 @@ import torch
 from _tiny import hf_greedy, random_prompts, tiny_hf
 
 from pagedlab import LLM, SamplingParams
+from pagedlab.engine.beams import BeamSearchParams
 from pagedlab.engine.step import run_step
 from pagedlab.engine.speculative import (
     NgramProposer,
@@ -270,6 +271,53 @@ def test_proposals_respect_max_tokens_and_max_model_len(case):
         assert out.token_ids == case["refs"][1][:n] and out.finish_reason == "length"
         decodes = sum(s.decode_seqs for s in llm.stats.steps)  # each yields 1 + its accepted
         assert llm.scheduler.spec_stats.num_draft_tokens == n - 1 - decodes  # none past the end
+
+
+def test_a_step_with_proposals_stays_within_its_token_budget(case):
+    """Proposals take what the decodes leave of the budget, and the prompts' chunks what the
+    proposals leave: no step computes more than ``max_num_batched_tokens`` tokens. Each step
+    counts its proposals, every request's counts add up to the run's, and the outputs stay
+    transformers'."""
+    refs = {tuple(p): r for p, r in zip(case["prompts"], case["refs"])}
+    budget = 7
+    llm = LLM(case["model"], block_size=4, num_gpu_blocks=64, max_num_batched_tokens=budget,
+              max_num_seqs=4, speculative_config=dict(NGRAM, num_speculative_tokens=4))
+    llm.scheduler.proposer = Oracle(refs, 0.3)
+    for i, prompt in enumerate(case["prompts"]):
+        llm.add_request(str(i), prompt, GREEDY)
+    done, capped = [], 0
+    while llm.scheduler.has_unfinished:
+        step, _, finished = run_step(llm.scheduler, llm.runner)
+        tokens = sum(c.num_tokens for c in step.chunks)
+        assert tokens <= budget
+        assert step.num_draft_tokens == sum(len(c.draft) for c in step.decodes)
+        assert all(c.is_decode for c in step.decodes)
+        capped += tokens == budget and 0 < step.num_draft_tokens < 4 * len(step.decodes)
+        done += finished
+    assert capped > 0  # the budget, not the proposer, cut some steps' proposals
+    by_id = {g.request_id: g.seqs[0].output_token_ids for g in done}
+    assert [by_id[str(i)] for i in range(len(case["prompts"]))] == case["refs"]
+    spec = llm.scheduler.spec_stats
+    assert sum(g.metrics.num_draft_tokens for g in done) == spec.num_draft_tokens > 0
+    assert sum(g.metrics.num_accepted_tokens for g in done) == spec.num_accepted_tokens > 0
+
+
+def test_a_beam_search_request_leaves_the_others_their_proposals(case):
+    """Beams are not speculated; a request after them in the batch still is."""
+    refs = {tuple(p): r for p, r in zip(case["prompts"], case["refs"])}
+    llm = LLM(case["model"], block_size=4, num_gpu_blocks=64, speculative_config=NGRAM)
+    llm.scheduler.proposer = Oracle(refs, 0.0)
+    llm.add_request("beams", case["prompts"][0], BeamSearchParams(beam_width=2, max_tokens=8))
+    llm.add_request("greedy", case["prompts"][1], GREEDY)
+    done, after_beams = {}, 0
+    while llm.scheduler.has_unfinished:
+        step, _, finished = run_step(llm.scheduler, llm.runner)
+        ids = [g.request_id for g in step.groups] if step.decodes else []
+        after_beams += ids == ["beams", "greedy"] and bool(step.decodes[-1].draft)
+        done.update((g.request_id, g) for g in finished)
+    assert after_beams > 0
+    assert done["greedy"].seqs[0].output_token_ids == case["refs"][1]
+    assert llm.manager.num_used_blocks == 0
 
 
 def test_sampled_speculation_follows_the_models_distribution(case):

@@ -119,7 +119,7 @@ class RequestLifecycle:
         """The one way a request ends (its sequences done, aborted, or failed with ``error``):
         off its queue, every live sequence finished with ``reason`` and its blocks freed."""
         queue = {GroupStatus.RUNNING: self.running, GroupStatus.SWAPPED: self.swapped,
-                 GroupStatus.WAITING: self.waiting}.get(group.status, ())
+                 GroupStatus.WAITING: self.waiting}[group.status]  # never a finished one
         if group in queue:  # not there if an error struck while it was off its queue
             queue.remove(group)
         for seq in group.live:
@@ -128,7 +128,7 @@ class RequestLifecycle:
             seq.finish_reason = reason
         group.status, group.error = GroupStatus.FINISHED, error
         group.metrics.finished_time = time.monotonic()
-        self.unfinished.pop(group.request_id, None)
+        del self.unfinished[group.request_id]
 
     def _free(self, seq_id: int) -> None:
         """Give back a sequence's blocks, and its draft model's (speculative decoding)."""
@@ -166,7 +166,7 @@ class RequestLifecycle:
             self.manager.fork(parent.seq_id, seq.seq_id)
         for seq in pruned:
             self._free(seq.seq_id)
-        if plan and group.metrics.first_token_time is None:
+        if group.metrics.first_token_time is None:  # every sampled group has a child
             group.metrics.first_token_time = time.monotonic()
         for seq, child in plan:
             if self.proposer is not None:
