@@ -12,7 +12,7 @@ export OMP_NUM_THREADS ?= 1
 
 .PHONY: book test unit pytest notebooks mutation clean
 
-$(READY): pyproject.toml tools/setup_env.sh
+$(READY): pyproject.toml course/pyproject.toml tools/setup_env.sh
 	VENV=$(VENV) bash tools/setup_env.sh
 	touch $@
 
@@ -46,8 +46,8 @@ pytest: $(READY)
 # Markdown, with the glued values of the last `make book`), student notebooks from solution
 # notebooks. Tests fail when these are stale.
 notebooks: $(READY)
-	$(BIN)/python -m pagedlab.colab book/ch*.md
-	$(BIN)/python -m pagedlab.assignments notebooks/solutions notebooks/student
+	$(BIN)/python -m pagedlab_course.colab book/ch*.md
+	$(BIN)/python -m pagedlab_course.assignments notebooks/solutions notebooks/student
 
 # Mutation testing of the allocator, the scheduler and the simulator (not part of `make test`:
 # it takes an hour or more on 2 cores). Config in pyproject.toml; results in tests/MUTATION.md.

@@ -98,7 +98,7 @@ def gpu_results(name: str) -> dict:
     import urllib.request
     from pathlib import Path
 
-    for root in (Path.cwd().parent, Path(__file__).resolve().parents[1]):  # book/ runs chapters
+    for root in (Path.cwd().parent, Path.cwd()):  # chapters run in book/, scripts at the root
         path = root / "benchmarks" / "results" / f"{name}.json"
         if path.exists():
             return json.loads(path.read_text())

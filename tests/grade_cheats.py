@@ -9,7 +9,7 @@ trailing line, so that a cheat that gets through leaves a visible, reversible tr
 
 import nbformat
 
-from pagedlab.assignments import make_student
+from pagedlab_course.assignments import make_student
 
 # Finding 1: the cell reaches the worker through stdout's class and replaces its cell runner
 # with one that "prints" the reference's stored outputs, and its hidden checks with no-ops.

@@ -6,7 +6,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from pagedlab.assignments import make_student, student_text, stub_source
+from pagedlab_course.assignments import make_student, student_text, stub_source
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTIONS = sorted((ROOT / "notebooks" / "solutions").glob("*.ipynb"))

@@ -8,7 +8,7 @@ import nbformat
 import pytest
 import yaml
 
-from pagedlab import colab
+from pagedlab_course import colab
 
 tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
 
@@ -124,6 +124,8 @@ def test_environment_yml_lists_what_pyproject_declares():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     declared = {_name(r) for r in project["dependencies"]}
     declared |= {_name(r) for extra in project["optional-dependencies"].values() for r in extra}
+    course = tomllib.loads((ROOT / "course" / "pyproject.toml").read_text())["project"]
+    declared |= {_name(r) for r in course["dependencies"]} - {"pagedlab"}
     env = yaml.safe_load((ROOT / "environment.yml").read_text())["dependencies"]
     conda = {_name(d) for d in env if isinstance(d, str)} - {"python", "pip"}
     pip = {_name(d) for d in next(d["pip"] for d in env if isinstance(d, dict)) if not d.startswith("-e")}

@@ -329,7 +329,7 @@ def test_built_chapter_prints_no_warning(chapter):
 
 @pytest.mark.parametrize("chapter", sorted((ROOT / "book").glob("ch*.md")), ids=lambda p: p.stem)
 def test_built_chapter_numbers_its_equations_from_1(chapter):
-    """Equations are numbered per chapter, as its Colab copy numbers them (pagedlab.colab):
+    """Equations are numbered per chapter, as its Colab copy numbers them (pagedlab_course.colab):
     a chapter's first equation is (1), not the book's fifth."""
     html = (BUILT / "book" / f"{chapter.stem}.html").read_text()
     numbers = re.findall(r'<span class="eqno">\((\d+)\)', html)

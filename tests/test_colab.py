@@ -1,17 +1,14 @@
 """The Colab copies behave like the book: what the book hides is folded, and a copy run from a
 wheel, away from the repository, computes the numbers its prose quotes."""
 
-import json
-import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import jupytext
 import nbformat
 import pytest
+import wheels
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAPTERS = sorted((ROOT / "book").glob("ch*.md"))
@@ -73,19 +70,7 @@ def test_a_colab_copy_run_from_the_wheel_computes_the_numbers_its_prose_quotes(t
     found = {name: traces.trace_path(name) for name in traces.PUBLISHED_TRACES}
     if None in found.values():
         pytest.skip("the Azure traces are neither in ../shared/traces nor downloadable")
-    # a wheel built from a copy of the sources, so the worktree gets no build/ folder
-    src = tmp_path / "src"
-    shutil.copytree(ROOT / "pagedlab", src / "pagedlab",
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("pyproject.toml", "README.md", "LICENSE"):
-        shutil.copy(ROOT / name, src / name)
-    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-    subprocess.run([*pip, "wheel", str(src), "--no-deps", "--no-build-isolation",
-                    "-w", str(tmp_path / "wheel")], check=True, cwd=tmp_path)
-    wheel = next((tmp_path / "wheel").glob("pagedlab-*.whl"))
-    site = tmp_path / "site"
-    subprocess.run([*pip, "install", str(wheel), "--no-deps", "--no-index", "--target",
-                    str(site)], check=True, cwd=tmp_path)
+    site = wheels.install(tmp_path, "pagedlab")
     cache = tmp_path / "cache" / "traces"
     cache.mkdir(parents=True)
     for name, path in found.items():

@@ -11,11 +11,11 @@ import nbformat
 import pytest
 
 from grade_cases import BROKEN, CORRECT, FORBIDDEN
-from pagedlab.assignments import make_student
-from pagedlab.grade import grade_many
-from pagedlab.grade.checks import Renaming
-from pagedlab.grade.notebook import SOLUTIONS, assemble, load
-from pagedlab.grade.report import _diff
+from pagedlab_course.assignments import make_student
+from pagedlab_course.grade import grade_many
+from pagedlab_course.grade.checks import Renaming
+from pagedlab_course.grade.notebook import SOLUTIONS, assemble, load
+from pagedlab_course.grade.report import _diff
 
 ROOT = Path(__file__).resolve().parents[1]
 ASSIGNMENTS = sorted(BROKEN)
@@ -171,7 +171,7 @@ def test_command_line_grades_a_buggy_notebook_with_extra_checks_and_writes_json(
     extra = tmp_path / "instructor"
     extra.mkdir()
     (extra / "A2_more.py").write_text(
-        "from pagedlab.grade import task\n\n\n"
+        "from pagedlab_course.grade import task\n\n\n"
         "@task('A2.2')\n"
         "def check_instructors_own(nb):\n"
         "    'An instructor check the students never see.'\n"
@@ -179,7 +179,7 @@ def test_command_line_grades_a_buggy_notebook_with_extra_checks_and_writes_json(
     )
     report = tmp_path / "report.json"
     done = subprocess.run(
-        [sys.executable, "-m", "pagedlab.grade", str(path), "--extra-checks", str(extra), "--json", str(report),
+        [sys.executable, "-m", "pagedlab_course.grade", str(path), "--extra-checks", str(extra), "--json", str(report),
          "--task", "A2.1", "--task", "A2.2"],
         capture_output=True, text=True, cwd=ROOT, timeout=600,
     )
@@ -204,7 +204,7 @@ def test_a_broken_check_file_fails_the_grade(tmp_path):
 
 
 REFERENCED = """import os
-from pagedlab.grade import task
+from pagedlab_course.grade import task
 
 
 def _where():
@@ -226,7 +226,7 @@ def test_a_reference_is_computed_by_the_grader_and_given_to_its_check(tmp_path):
 
 
 def test_a_failing_reference_is_an_error_naming_its_file_before_anything_is_graded():
-    from pagedlab.grade.batch import _reference
+    from pagedlab_course.grade.batch import _reference
 
     source = REFERENCED.replace('return {"pid"', 'return 1 / 0 or {"pid"')
     with pytest.raises(RuntimeError, match="<instructor check A1_x.py>: the reference _where of check_with_reference "
@@ -251,7 +251,7 @@ def test_a_failing_property_shows_the_falsifying_example_without_hypothesis_comm
     from hypothesis import given
     from hypothesis import strategies as st
 
-    from pagedlab.grade.checks import GRADING
+    from pagedlab_course.grade.checks import GRADING
 
     @GRADING
     @given(st.lists(st.integers(0, 9)), st.integers(0, 9))
@@ -266,7 +266,7 @@ def test_a_failing_property_shows_the_falsifying_example_without_hypothesis_comm
 
 def test_a_knock_on_failure_names_the_task_that_failed_first():
     """Finding 9: A2.4's check failed inside its own code when A2.3's fork was broken."""
-    from pagedlab.grade.report import score
+    from pagedlab_course.grade.report import score
 
     assignment = load(solution_path("A2"))
     results = []

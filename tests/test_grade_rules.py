@@ -1,11 +1,11 @@
-"""The rules a solution cell must keep (pagedlab.grade.rules): every reference solution keeps
+"""The rules a solution cell must keep (pagedlab_course.grade.rules): every reference solution keeps
 them, and each way around the grader of issue 25 breaks one, named with its line."""
 
 import pytest
 
 import grade_cheats as cheats
-from pagedlab.grade import rules
-from pagedlab.grade.notebook import SOLUTIONS, load
+from pagedlab_course.grade import rules
+from pagedlab_course.grade.notebook import SOLUTIONS, load
 
 
 @pytest.mark.parametrize("path", sorted(SOLUTIONS.glob("*.ipynb")), ids=lambda p: p.stem)

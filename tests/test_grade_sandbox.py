@@ -1,4 +1,4 @@
-"""The process a submission runs in (pagedlab.grade.sandbox), at each level: what it can see and
+"""The process a submission runs in (pagedlab_course.grade.sandbox), at each level: what it can see and
 change, and the digest check that stands in for the sealed level where bubblewrap cannot run."""
 
 import json
@@ -8,8 +8,8 @@ import sys
 import nbformat
 import pytest
 
-from pagedlab.grade import grade_many, rules, sandbox
-from pagedlab.grade.notebook import SOLUTIONS
+from pagedlab_course.grade import grade_many, rules, sandbox
+from pagedlab_course.grade.notebook import SOLUTIONS
 
 PROBE = """
 import json, os
@@ -30,7 +30,7 @@ print(json.dumps(seen))
 
 
 def probe() -> dict:
-    script = PROBE % (str(SOLUTIONS), str(sandbox.HIDDEN), str(sandbox.PACKAGE / "grade" / "__init__.py"))
+    script = PROBE % (str(SOLUTIONS), str(sandbox.HIDDEN), str(sandbox.PACKAGES[1] / "grade" / "__init__.py"))
     status, out, err = sandbox.run([sys.executable, "-c", script], "", 120)
     assert status == 0, err
     return json.loads(out)
@@ -92,8 +92,8 @@ def test_a_cell_that_gets_past_the_rules_and_writes_a_reference(level, tmp_path,
 
 def test_a_worker_that_reports_nothing_earns_nothing_for_every_check():
     """Finding 1: an empty result was '0/0 checks', a pass. The parent counts the checks."""
-    from pagedlab.grade.notebook import load
-    from pagedlab.grade.report import score
+    from pagedlab_course.grade.notebook import load
+    from pagedlab_course.grade.report import score
 
     assignment = load(next(SOLUTIONS.glob("A2_*.ipynb")))
     hidden = [("<pagedlab check A2.py>", "check_allocator_random_runs", "A2.1")]
@@ -124,7 +124,7 @@ def test_a_library_function_replaced_through_an_alias_is_caught_when_the_cell_ha
     compares the libraries' functions before and after each solution cell."""
     cell = {"index": 4, "kind": "solution", "task": "A2.1", "source": "import math\nlib = math\nlib.floor = abs\n"}
     job = {"assignment": "A2", "cells": [cell], "forbid": [], "hidden": [], "only": None, "cell_timeout": 60}
-    status, out, err = sandbox.run([sys.executable, "-m", "pagedlab.grade.worker"], json.dumps(job), 300)
+    status, out, err = sandbox.run([sys.executable, "-m", "pagedlab_course.grade.worker"], json.dumps(job), 300)
     assert status == 0, err
     assert json.loads(out)["violations"] == [{"task": "A2.1", "what": "replaces math.floor", "where": ""}]
 
@@ -137,10 +137,10 @@ def test_a_library_class_patched_through_an_alias_is_caught_in_a_cell_and_during
              {"index": 4, "kind": "solution", "task": "A5.1", "source": "m = KVCacheManager\nm.free = print\n"},
              {"index": 6, "kind": "solution", "task": "A5.2",
               "source": "def later():\n    m = KVCacheManager\n    m.allocate = print\n"}]
-    check = "from pagedlab.grade import task\n\n@task('A5.2')\ndef check_it(nb):\n    nb.later()\n"
+    check = "from pagedlab_course.grade import task\n\n@task('A5.2')\ndef check_it(nb):\n    nb.later()\n"
     job = {"assignment": "A5", "cells": cells, "forbid": [], "hidden": [{"label": "<check A5.py>", "source": check}],
            "only": None, "cell_timeout": 60}
-    status, out, err = sandbox.run([sys.executable, "-m", "pagedlab.grade.worker"], json.dumps(job), 300)
+    status, out, err = sandbox.run([sys.executable, "-m", "pagedlab_course.grade.worker"], json.dumps(job), 300)
     assert status == 0, err
     assert json.loads(out)["violations"] == [
         {"task": "A5.1", "what": "replaces pagedlab.memory.manager.KVCacheManager.free", "where": ""},

@@ -15,8 +15,9 @@ import nbformat
 import pytest
 
 import grade_cheats as cheats
-from pagedlab.grade import HIDDEN, grade_many
-from pagedlab.grade.notebook import SOLUTIONS
+import wheels
+from pagedlab_course.grade import HIDDEN, grade_many
+from pagedlab_course.grade.notebook import SOLUTIONS
 
 PACKAGE = HIDDEN.parents[1]
 SECRET = "the instructor writes this line for nobody else"
@@ -45,7 +46,7 @@ def test_cheats_get_what_their_code_deserves_and_touch_nothing(tmp_path):
     instructor = tmp_path / "instructor"
     instructor.mkdir()
     (instructor / "A2_private.py").write_text(
-        "from pagedlab.grade import task\n\n\n"
+        "from pagedlab_course.grade import task\n\n\n"
         "@task('A2.1')\n"
         "def check_private(nb):\n"
         "    'A fresh pool of 3 has 3 free blocks.'\n"
@@ -109,7 +110,7 @@ def test_a_batch_grades_every_readable_file_and_gives_the_others_a_row(tmp_path)
     nbformat.write(unknown, batch / "A1_unknown.ipynb")
     (batch / "A2_actually_A1.ipynb").write_bytes(a1.read_bytes())
     gradebook, report = tmp_path / "grades.csv", tmp_path / "grades.json"
-    done = subprocess.run([sys.executable, "-m", "pagedlab.grade", str(batch), "--task", "A1.1", "--csv", str(gradebook),
+    done = subprocess.run([sys.executable, "-m", "pagedlab_course.grade", str(batch), "--task", "A1.1", "--csv", str(gradebook),
                            "--json", str(report)], capture_output=True, text=True, timeout=900)
     assert done.returncode == 1, done.stdout + done.stderr
     rows = {row["notebook"]: row for row in csv.DictReader(gradebook.open())}
@@ -126,16 +127,7 @@ def test_a_course_handed_out_as_a_wheel_is_graded_outside_the_repository(tmp_pat
     """Deliver 6: the instructors' section of notebooks/README.md, followed from a wheel, in a
     directory with no checkout: the references come from --solutions, and without it the
     grader says so."""
-    source = tmp_path / "source"  # a copy: building in the checkout would leave build/ there
-    shutil.copytree(PACKAGE, source / "pagedlab", ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(PACKAGE.parent / name, source / name)
-    subprocess.run([sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation", "-q",
-                    "-w", str(tmp_path / "wheel")], check=True, timeout=600)
-    (wheel,) = (tmp_path / "wheel").glob("pagedlab-*.whl")
-    site = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)],
-                   check=True, timeout=600)
+    site = wheels.install(tmp_path, "pagedlab", "pagedlab-course")
     course = tmp_path / "course"
     shutil.copytree(SOLUTIONS, course / "solutions")
     shutil.copy(SOLUTIONS.parent / "sanitize.cfg", course / "sanitize.cfg")
@@ -148,7 +140,7 @@ def test_a_course_handed_out_as_a_wheel_is_graded_outside_the_repository(tmp_pat
     assert where.stdout.startswith(str(site)), where.stdout + where.stderr
 
     def grade(*extra):
-        return subprocess.run([sys.executable, "-m", "pagedlab.grade", "A1_mine.ipynb", "--task", "A1.1", *extra],
+        return subprocess.run([sys.executable, "-m", "pagedlab_course.grade", "A1_mine.ipynb", "--task", "A1.1", *extra],
                               cwd=grading, env=env, capture_output=True, text=True, timeout=900)
 
     without = grade()

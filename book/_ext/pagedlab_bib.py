@@ -2,8 +2,8 @@
 
 pybtex's own styles label entries alpha-style ([KLZ+23]) and sort braced names such as
 ``{NVIDIA}`` after Z; this one labels "Kwon et al., 2023" and "vLLM Team, 2025a" (the labels
-the Colab copies cite with, :func:`pagedlab.colab.labelled`) and sorts on those names, case and
-braces ignored. The text cites by these labels (``bibtex_reference_style: label`` in
+the Colab copies cite with, :func:`pagedlab_course.colab.labelled`) and sorts on those names,
+case and braces ignored. The text cites by these labels (``bibtex_reference_style: label`` in
 ``_config.yml``), so a citation names one entry even where authors and year repeat.
 """
 
@@ -12,7 +12,7 @@ from pybtex.style.formatting.unsrt import Style as UnsrtStyle
 from pybtex.style.labels import BaseLabelStyle
 from pybtex.style.sorting import BaseSortingStyle
 
-from pagedlab.colab import labelled, sort_key
+from pagedlab_course.colab import labelled, sort_key
 
 
 class AuthorYearLabels(BaseLabelStyle):

@@ -20,7 +20,6 @@ import numpy as np
 
 from pagedlab._checks import check_positive, lookup_preset
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 TRACE_COLUMNS = ("arrived_at", "num_prefill_tokens", "num_decode_tokens")
 
 
@@ -237,13 +236,15 @@ def _parse_arrival(row: dict, previous: list[Request], where: str) -> float:
 def shared_trace_path(name: str) -> Path | None:
     """``<name>.csv`` in the folder of shared traces, or None when it is absent.
 
-    The folder is ``$PAGEDLAB_TRACES`` if set, else ``../shared/traces`` beside the repository
-    root. The traces are not part of the project: chapters fall back to synthetic requests and
-    tests skip when this returns None.
+    The folder is ``$PAGEDLAB_TRACES`` if set, else ``shared/traces`` beside the repository
+    that the command runs in: ``../shared/traces`` from its root (the tests), or
+    ``../../shared/traces`` from ``book/`` (the chapters). The traces are not part of the
+    project: chapters fall back to synthetic requests and tests skip when this returns None.
     """
-    folder = os.environ.get("PAGEDLAB_TRACES") or REPO_ROOT.parent / "shared" / "traces"
-    path = Path(folder) / f"{name}.csv"
-    return path if path.is_file() else None
+    folder = os.environ.get("PAGEDLAB_TRACES")
+    folders = [Path(folder)] if folder else [Path.cwd().parent / "shared" / "traces",
+                                              Path.cwd().parent.parent / "shared" / "traces"]
+    return next((f / f"{name}.csv" for f in folders if (f / f"{name}.csv").is_file()), None)
 
 
 # The Azure traces as processed for Vidur, at a fixed commit of microsoft/vidur: byte for byte

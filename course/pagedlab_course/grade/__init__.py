@@ -1,10 +1,10 @@
-"""The assignment grader: ``python -m pagedlab.grade NOTEBOOK [--extra-checks DIR]``.
+"""The assignment grader: ``python -m pagedlab_course.grade NOTEBOOK [--extra-checks DIR]``.
 
 It grades a submitted notebook against the reference the package owns (``notebooks/solutions``):
 only the student's solution cells are taken from the submission, checked against the rules of
-``pagedlab.grade.rules``, and run in a sealed process of their own (``pagedlab.grade.sandbox``)
+``pagedlab_course.grade.rules``, and run in a sealed process of their own (``pagedlab_course.grade.sandbox``)
 between the reference's own setup and check cells; then the hidden checks run there (the
-package's ``pagedlab/grade/hidden`` and an instructor's ``--extra-checks`` directory, sent as
+package's ``course/pagedlab_course/grade/hidden`` and an instructor's ``--extra-checks`` directory, sent as
 text). This process, where no student code runs, compares what came back with the reference's
 stored outputs and counts every check that did not report as failed. See
 ``notebooks/README.md``.
@@ -12,7 +12,7 @@ stored outputs and counts every check that did not report as failed. See
 A hidden check is a function in a file ``<assignment>*.py`` (``A2_properties.py``), marked with
 :func:`task`; it receives the notebook's namespace and fails by raising::
 
-    from pagedlab.grade import task
+    from pagedlab_course.grade import task
 
     @task("A2.1")
     def check_release_order(nb):
@@ -23,7 +23,7 @@ A hidden check is a function in a file ``<assignment>*.py`` (``A2_properties.py`
 
 from __future__ import annotations
 
-from pagedlab.grade.sandbox import HIDDEN
+from pagedlab_course.grade.sandbox import HIDDEN
 
 __all__ = ["HIDDEN", "SOLUTIONS", "grade", "grade_many", "hidden_sources", "task"]
 
@@ -50,7 +50,7 @@ def __getattr__(name: str):
     imports this package for :func:`task` alone, and the notebook reader's imports (nbformat,
     jsonschema) would cost every submission's process seconds of CPU."""
     if name in __all__:
-        from pagedlab.grade import batch
+        from pagedlab_course.grade import batch
 
         return getattr(batch, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

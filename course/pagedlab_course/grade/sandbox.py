@@ -4,14 +4,14 @@ environment, and, where bubblewrap can make Linux namespaces, sealed off from th
 Two levels, chosen by a check that runs bubblewrap once (``level()``):
 
 - ``bwrap``: the worker sees a read-only view of the interpreter, the installed packages and
-  the ``pagedlab`` package (without its hidden checks), a private writable ``/tmp`` and
+  the ``pagedlab`` and ``pagedlab_course`` packages (without the hidden checks), a private writable ``/tmp`` and
   ``/scratch`` that vanish with it, no network, its own process ids (it cannot see or signal
   the grader or another submission) and nothing else: not the references, an instructor's
   checks, the submissions or the home directory. It dies with the grader.
 - ``process``: where bubblewrap is absent or cannot create namespaces (some containers and CI
   runners). A fresh process per submission, a new session, an empty temporary working
   directory and a clean environment; it runs with the grader's user, so the files it could
-  write are protected only by the static rules (``pagedlab.grade.rules``) and detected after
+  write are protected only by the static rules (``pagedlab_course.grade.rules``) and detected after
   the fact: the grader compares digests of the package, the references and the instructor's
   checks before and after each submission and refuses to go on if one changed.
 """
@@ -19,6 +19,7 @@ Two levels, chosen by a check that runs bubblewrap once (``level()``):
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -26,14 +27,17 @@ import sys
 import tempfile
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1]  # .../pagedlab
-HIDDEN = PACKAGE / "grade" / "hidden"
+# The two packages the worker imports, wherever they are installed: the library the students
+# use, and this course package, whose hidden checks the worker must not see.
+PACKAGES = tuple(Path(importlib.util.find_spec(name).origin).resolve().parent
+                 for name in ("pagedlab", "pagedlab_course"))
+HIDDEN = PACKAGES[1] / "grade" / "hidden"
 
 
 def _env(home: str) -> dict[str, str]:
     env = {"PATH": "/usr/bin:/bin", "HOME": home, "TMPDIR": "/tmp" if home == "/scratch" else home,
            "LANG": "C.UTF-8", "MPLBACKEND": "Agg", "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1",
-           "PYTHONPATH": str(PACKAGE.parent), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+           "PYTHONPATH": os.pathsep.join(dict.fromkeys(str(p.parent) for p in PACKAGES)), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
            "TRITON_CACHE_DIR": f"{home}/.triton", "MPLCONFIGDIR": f"{home}/.mpl"}
     for name in ("TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES"):  # the device the course runs on
         if name in os.environ:
@@ -65,7 +69,9 @@ def bwrap_command(argv: list[str]) -> list[str]:
             cmd += ["--ro-bind", system, system]
     for path in _readable():
         cmd += ["--ro-bind", path, path]
-    cmd += ["--ro-bind", str(PACKAGE), str(PACKAGE), "--tmpfs", str(HIDDEN)]
+    for package in PACKAGES:
+        cmd += ["--ro-bind", str(package), str(package)]
+    cmd += ["--tmpfs", str(HIDDEN)]
     for name, value in _env("/scratch").items():
         cmd += ["--setenv", name, value]
     return cmd + argv

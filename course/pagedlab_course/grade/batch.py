@@ -1,4 +1,4 @@
-"""Grading a batch of submissions (``pagedlab.grade.grade_many``): each notebook is read against
+"""Grading a batch of submissions (``pagedlab_course.grade.grade_many``): each notebook is read against
 its reference, its solution cells checked against the rules, run in a sealed worker of its own,
 and scored here, in the process where no student code runs. See the package's docstring."""
 
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import nbformat
 
-from pagedlab.grade import rules, sandbox
-from pagedlab.grade.notebook import ASSIGNMENT, SOLUTIONS, Assignment, assemble, load, reference_for
-from pagedlab.grade.report import Report, score
+from pagedlab_course.grade import rules, sandbox
+from pagedlab_course.grade.notebook import ASSIGNMENT, SOLUTIONS, Assignment, assemble, load, reference_for
+from pagedlab_course.grade.report import Report, score
 
 HIDDEN = sandbox.HIDDEN
 
@@ -73,7 +73,7 @@ def grade_many(
             "only": only,
             "cell_timeout": cell_timeout,
         })
-    protected = [HIDDEN.parent.parent, solutions, *extra_checks]
+    protected = [*sandbox.PACKAGES, solutions, *extra_checks]
     before = _digest(protected)
     results = iter(_run(jobs, timeout))
     changed = sorted(p for p, d in _digest(protected).items() if before.get(p) != d)
@@ -189,7 +189,7 @@ def _run(jobs: list[dict], timeout: float) -> list[dict]:
     reported nothing readable)."""
 
     def one(job):
-        status, out, err = sandbox.run([sys.executable, "-m", "pagedlab.grade.worker"], json.dumps(job), timeout)
+        status, out, err = sandbox.run([sys.executable, "-m", "pagedlab_course.grade.worker"], json.dumps(job), timeout)
         if status is None:
             return {"crash": f"the submission ran for more than {timeout:g} s and was stopped"}
         try:

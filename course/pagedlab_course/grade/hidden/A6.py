@@ -9,8 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pagedlab.engine import FCFS, SamplingParams, Scheduler, SchedulerConfig
-from pagedlab.grade import task
-from pagedlab.grade.checks import GRADING
+from pagedlab_course.grade import task
+from pagedlab_course.grade.checks import GRADING
 from pagedlab.memory import KVCacheManager
 from pagedlab.sim import CostModel, PagedConfig, clip_to_context, synthetic_requests
 

@@ -7,8 +7,8 @@ import ast
 import re
 from dataclasses import asdict, dataclass, field
 
-from pagedlab.grade.notebook import Assignment, Cell
-from pagedlab.grade.rules import bound_names
+from pagedlab_course.grade.notebook import Assignment, Cell
+from pagedlab_course.grade.rules import bound_names
 
 CELL_FILE = re.compile(r"<cell (\d+)(?:: ([^>]+))?> line (\d+)")
 

@@ -5,8 +5,8 @@ reference for the other two, so a bug is charged to its own task. Cases run smal
 
 import random
 
-from pagedlab.grade import task
-from pagedlab.grade.checks import Diverged, expect, outcome, plain
+from pagedlab_course.grade import task
+from pagedlab_course.grade.checks import Diverged, expect, outcome, plain
 from pagedlab.memory import KVCacheManager
 
 

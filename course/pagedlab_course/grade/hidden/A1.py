@@ -7,8 +7,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pagedlab import softmax as lib
-from pagedlab.grade import task
-from pagedlab.grade.checks import GRADING
+from pagedlab_course.grade import task
+from pagedlab_course.grade.checks import GRADING
 
 shapes = st.tuples(st.integers(1, 3), st.integers(1, 40), st.integers(1, 17))  # rows, n, block
 

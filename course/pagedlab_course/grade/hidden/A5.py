@@ -7,10 +7,10 @@ import random
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pagedlab.grade import task
+from pagedlab_course.grade import task
 from pagedlab import SamplingParams
 from pagedlab.engine import GroupOutput, Scheduler, SchedulerConfig, SequenceOutput
-from pagedlab.grade.checks import GRADING, a5_next_token, expect, outcome, plain
+from pagedlab_course.grade.checks import GRADING, a5_next_token, expect, outcome, plain
 from pagedlab.memory import KVCacheManager
 
 

@@ -8,8 +8,8 @@ from collections import Counter
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pagedlab.grade import task
-from pagedlab.grade.checks import GRADING, Diverged, Renaming, expect, outcome
+from pagedlab_course.grade import task
+from pagedlab_course.grade.checks import GRADING, Diverged, Renaming, expect, outcome
 from pagedlab.memory import BlockAllocator, KVCacheManager
 
 

@@ -1,4 +1,4 @@
-"""``python -m pagedlab.grade NOTEBOOK_OR_DIR... [--extra-checks DIR] [--json REPORT] [--csv
+"""``python -m pagedlab_course.grade NOTEBOOK_OR_DIR... [--extra-checks DIR] [--json REPORT] [--csv
 GRADEBOOK]``: grade, print each report and its summary line, write the JSON reports and a CSV
 gradebook (one row per file, unreadable ones included); exit 0 only if everything passed."""
 
@@ -8,11 +8,11 @@ import json
 import sys
 from pathlib import Path
 
-from pagedlab.grade import SOLUTIONS, grade_many
+from pagedlab_course.grade import SOLUTIONS, grade_many
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pagedlab.grade", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m pagedlab_course.grade", description=__doc__)
     parser.add_argument("notebooks", nargs="+", type=Path,
                         help="submitted notebooks (A<n>_*.ipynb), or directories of them")
     parser.add_argument("--extra-checks", action="append", type=Path, default=[], metavar="DIR",

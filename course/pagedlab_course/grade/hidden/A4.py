@@ -5,8 +5,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pagedlab.grade import task
-from pagedlab.grade.checks import GRADING
+from pagedlab_course.grade import task
+from pagedlab_course.grade.checks import GRADING
 from pagedlab.kernels import reference as ref
 from pagedlab.kernels.inputs import random_paged_inputs
 

@@ -1,5 +1,5 @@
-"""The process that runs one submission: ``python -m pagedlab.grade.worker`` (sealed by
-pagedlab.grade.sandbox) reads a job on stdin and writes its results as JSON on stdout.
+"""The process that runs one submission: ``python -m pagedlab_course.grade.worker`` (sealed by
+pagedlab_course.grade.sandbox) reads a job on stdin and writes its results as JSON on stdout.
 
 The job holds everything the run needs (cells, hidden checks' sources, forbidden library
 names), so the process needs no file of the grader's. Its cells run in order in one namespace,
@@ -22,7 +22,7 @@ import sys
 import traceback
 import types
 
-from pagedlab.grade import rules
+from pagedlab_course.grade import rules
 
 CELL_PREFIX = "<cell "  # filename of a notebook cell's code: "<cell 7: A2.1>" or "<cell 8>"
 
@@ -253,7 +253,7 @@ def hidden_checks(assignment: str, sources: list[dict]) -> tuple[list, list[dict
     """(label, function, arguments after the notebook) of every hidden check in the sources
     ({"label", "source", "references"}), in order, and an error entry for each source that
     failed to load (so that it fails the grade). A check that names a reference gets the value
-    the grader computed in its own process (see ``pagedlab.grade.task``)."""
+    the grader computed in its own process (see ``pagedlab_course.grade.task``)."""
     found, broken = [], []
     for i, item in enumerate(sources):
         module = types.ModuleType(f"hidden_{i}")

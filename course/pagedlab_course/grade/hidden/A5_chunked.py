@@ -3,8 +3,8 @@ seeded workloads, and the situations a chunked step must get right, each worked 
 
 import random
 
-from pagedlab.grade import task
-from pagedlab.grade.checks import a5_next_token, expect
+from pagedlab_course.grade import task
+from pagedlab_course.grade.checks import a5_next_token, expect
 from pagedlab.memory import KVCacheManager
 
 

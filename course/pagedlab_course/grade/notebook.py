@@ -16,10 +16,11 @@ from pathlib import Path
 
 import nbformat
 
-from pagedlab.assignments import BEGIN, task_id
-from pagedlab.grade.rules import bound_names, free_names
+from pagedlab_course.assignments import BEGIN, task_id
+from pagedlab_course.grade.rules import bound_names, free_names
 
-SOLUTIONS = Path(__file__).resolve().parents[2] / "notebooks" / "solutions"
+# the reference notebooks: the course repository's, where the grader runs (`--solutions` elsewhere)
+SOLUTIONS = Path.cwd() / "notebooks" / "solutions"
 CHECK = re.compile(r"^# Check (?P<task>A\d+(?:\.\d+[a-z]?)?)\b")
 NBVAL_MARKER = re.compile(r"#\s*NBVAL_\w+|#\s*PYTEST_VALIDATE_IGNORE_OUTPUT")
 ASSIGNMENT = re.compile(r"^(A\d+)(?!\d)")

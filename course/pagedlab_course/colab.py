@@ -8,7 +8,7 @@ cross-references as links, proofs and admonitions as bold-titled text or blockqu
 dropdowns as ``<details>``. Code cells are copied, the install cell first and shown; a cell
 the book hides or folds is folded in Colab's form view (:func:`fold`).
 
-    python -m pagedlab.colab book/ch*.md          # `make notebooks`
+    python -m pagedlab_course.colab book/ch*.md          # `make notebooks`
 """
 
 from __future__ import annotations
@@ -28,8 +28,17 @@ import jupytext
 import nbformat
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-BUILD = ROOT / "_build" / "jupyter_execute" / "book"
+BUILD = Path("_build") / "jupyter_execute" / "book"  # a book build's executed notebooks
+
+
+def repository() -> Path:
+    """The book's repository: the folder the command runs in (``make notebooks``, the book's
+    build and the tests all run at its root), passed in that way rather than found from where
+    this package is installed."""
+    root = Path.cwd()
+    if not (root / "_config.yml").is_file():
+        raise FileNotFoundError(f"{root} holds no _config.yml: run this at the book's root")
+    return root
 
 ROLE = re.compile(r"\{([a-z][\w:-]*)\}`([^`]*)`")
 FENCE = re.compile(r"^(?P<indent> *)(?P<fence>`{3,}|:{3,})(?P<rest>.*)$")
@@ -48,7 +57,7 @@ PROOF_KINDS = {"theorem", "lemma", "definition", "algorithm", "proposition", "co
 
 
 def _config() -> dict:
-    return yaml.safe_load((ROOT / "_config.yml").read_text())
+    return yaml.safe_load((repository() / "_config.yml").read_text())
 
 
 def colab_url(stem: str) -> str:
@@ -135,9 +144,11 @@ def _letters(n: int) -> str:
     return letters
 
 
-def load_references(bib: Path = ROOT / "book" / "references.bib") -> dict[str, Reference]:
+def load_references(bib: Path | None = None) -> dict[str, Reference]:
+    """The bibliography (the repository's ``book/references.bib`` unless ``bib`` is given)."""
     from pybtex.database import parse_file
 
+    bib = bib or repository() / "book" / "references.bib"
     entries = sorted(parse_file(str(bib)).entries.values(), key=sort_key)
     refs = {}
     for entry, (names, year) in zip(entries, labelled(entries)):
@@ -318,7 +329,7 @@ class Converter:
         if kind in ("code-block", "code", "sourcecode"):
             return [f"```{arg.strip()}", *body, "```"]
         if kind == "literalinclude":
-            source = (ROOT / "book" / arg.strip()).resolve().read_text().rstrip("\n")
+            source = (repository() / "book" / arg.strip()).resolve().read_text().rstrip("\n")
             return [f"```{options.get('language', 'python')}", source, "```"]
         if kind in ("toctree", "tableofcontents", "bibliography"):
             return []
@@ -430,7 +441,7 @@ def main(argv=None) -> int:
     parser.add_argument("--build", type=Path, default=BUILD,
                         help="executed notebooks of a book build (default: _build/...)")
     args = parser.parse_args(argv)
-    book = Book.scan(sorted(Path(ROOT / "book").glob("*.md")))  # chapters and back matter
+    book = Book.scan(sorted((repository() / "book").glob("*.md")))  # chapters and back matter
     status = 0
     for chapter in args.chapters:
         colab = chapter.with_suffix(".ipynb")

@@ -10,9 +10,9 @@ A solution notebook marks each task's code in a code cell::
 The student copy replaces each region with ``raise NotImplementedError("A1.2: online
 softmax")`` at the marker's indentation, keeps the solution's stored outputs for the student to
 read, and names the cell's tasks in its metadata (``{"pagedlab": {"solution": "A1.2"}}``): the
-grader (``pagedlab.grade``) takes those cells, and only those, from a submission.
+grader (``pagedlab_course.grade``) takes those cells, and only those, from a submission.
 
-Regenerate every student notebook with ``python -m pagedlab.assignments SOLUTIONS STUDENT``.
+Regenerate every student notebook with ``python -m pagedlab_course.assignments SOLUTIONS STUDENT``.
 """
 
 from __future__ import annotations
@@ -93,6 +93,6 @@ def build(solutions: Path, student: Path) -> list[Path]:
 
 if __name__ == "__main__":
     if len(sys.argv) != 3:
-        sys.exit("usage: python -m pagedlab.assignments SOLUTIONS_DIR STUDENT_DIR")
+        sys.exit("usage: python -m pagedlab_course.assignments SOLUTIONS_DIR STUDENT_DIR")
     for written in build(Path(sys.argv[1]), Path(sys.argv[2])):
         print("wrote", written)

@@ -6,8 +6,8 @@ import random
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pagedlab.grade import task
-from pagedlab.grade.checks import GRADING, expect
+from pagedlab_course.grade import task
+from pagedlab_course.grade.checks import GRADING, expect
 from pagedlab.memory import KVCacheManager, OutOfBlocks, block_key
 
 tokens = st.lists(st.integers(0, 3), max_size=20)
