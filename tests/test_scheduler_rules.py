@@ -554,3 +554,13 @@ def test_a_swapped_group_comes_back_when_the_budget_left_is_exactly_its_decodes(
     assert [(c.seq.seq_id, c.start, c.num_tokens) for c in steps[4].chunks] == [
         (2, 4, 2), (1, 5, 1), (3, 5, 1)]
     assert steps[4].swapped_in == [sched.unfinished["s"]]
+
+
+def test_a_request_without_a_priority_ranks_as_priority_zero():
+    """As in vLLM, a request that names no priority has priority 0 (lower runs first): it
+    runs before an earlier one of priority 1."""
+    sched = make(max_num_seqs=1, policy=Priority())
+    sched.add_request("early", [1, 2, 3], SamplingParams(max_tokens=2), priority=1)
+    sched.add_request("late", [4, 5, 6], SamplingParams(max_tokens=2))
+    step, _ = run_step(sched)
+    assert [g.request_id for g in step.groups] == ["late"]

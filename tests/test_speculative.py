@@ -271,6 +271,8 @@ def test_proposals_respect_max_tokens_and_max_model_len(case):
         assert out.token_ids == case["refs"][1][:n] and out.finish_reason == "length"
         decodes = sum(s.decode_seqs for s in llm.stats.steps)  # each yields 1 + its accepted
         assert llm.scheduler.spec_stats.num_draft_tokens == n - 1 - decodes  # none past the end
+        k = NGRAM["num_speculative_tokens"]  # and none short of it: a perfect proposer's
+        assert decodes == math.ceil((n - 1) / (k + 1))  # request takes the fewest steps it can
 
 
 def test_a_step_with_proposals_stays_within_its_token_budget(case):
@@ -279,7 +281,7 @@ def test_a_step_with_proposals_stays_within_its_token_budget(case):
     counts its proposals, every request's counts add up to the run's, and the outputs stay
     transformers'."""
     refs = {tuple(p): r for p, r in zip(case["prompts"], case["refs"])}
-    budget = 7
+    budget = 9
     llm = LLM(case["model"], block_size=4, num_gpu_blocks=64, max_num_batched_tokens=budget,
               max_num_seqs=4, speculative_config=dict(NGRAM, num_speculative_tokens=4))
     llm.scheduler.proposer = Oracle(refs, 0.3)
