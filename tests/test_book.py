@@ -158,6 +158,74 @@ def test_every_term_a_page_uses_is_in_the_glossary():
     assert used and used <= terms, used - terms
 
 
+# Glossary terms whose first word-for-word use is in another sense (the test reads words)
+OTHER_SENSE = {
+    "block": "ch02 first says it of the buddy allocator's power-of-two run of memory",
+    "recompute": "ch01 first says it of the calculator's controls",
+    "split": "ch01 first says it of weights divided among GPUs",
+}
+_LINK = "\x00"  # marks a {term} link in a chapter's prose
+
+
+def _without_listings(markdown: str) -> str:
+    """The Markdown without its code and math blocks; directives' text (admonitions, proofs,
+    dropdowns) kept, their fences dropped."""
+    kept, fences = [], []  # the open fences: (marker, holds code)
+    for line in markdown.splitlines():
+        fence = re.match(r"\s*(`{3,}|:{3,})\s*(\S*)", line)
+        if fence and fences and fence[1] == fences[-1][0] and not fence[2]:
+            fences.pop()
+        elif fence:
+            fences.append((fence[1], not fence[2].startswith("{")
+                           or fence[2] in ("{code-block}", "{code}", "{math}")))
+        elif not any(code for _, code in fences):
+            kept.append(line)
+    return "\n".join(kept)
+
+
+def _prose(markdown: str) -> str:
+    """What a reader reads of a chapter's Markdown: code, math, roles other than {term},
+    comments, labels and headings blanked; each {term} link replaced by _LINK + its target."""
+    markdown = _without_listings(re.sub(r"<!--.*?-->|\$\$.*?\$\$", " ", markdown, flags=re.S))
+    markdown = re.sub(r"\{term\}`(?:[^`<]*<)?([^`>]+)>?`",
+                      lambda m: _LINK + m[1].lower() + _LINK, markdown)
+    for pattern in (r"\{[\w:-]+\}`[^`]*`", r"`[^`]*`", r"\$[^$\n]*\$", r"^#+ .*$",
+                    r"^\([\w-]+\)=$", r"^:\w+:.*$"):
+        markdown = re.sub(pattern, " ", markdown, flags=re.M)
+    return markdown
+
+
+def _defined(prose: str, match) -> bool:
+    """Whether a term's use defines it: set in italics or bold, or spelt out before its
+    abbreviation ("time to first token (TTFT)"), or the abbreviation itself in parentheses."""
+    start, end = match.span()
+    if any(s <= start and end <= e for s, e in
+           (m.span() for m in re.finditer(r"(\*\*?)\S[^*\n]*?\1", prose))):
+        return True
+    return bool(re.match(r"\s*\([A-Z][\w-]*\)", prose[end:])) or (
+        prose[start - 1:start] == "(" and prose[end:end + 1] == ")")
+
+
+def test_every_glossary_term_links_or_is_defined_where_the_book_first_uses_it():
+    """Read in order, a glossary term's first use links to the glossary ({term}) or defines the
+    term on the spot: no chapter leans on a word the reader has not met (a chapter that
+    assumes a later one's terms fails here)."""
+    seen, unexplained = set(), []
+    for chapter in CHAPTERS:
+        prose = _prose("\n".join(c.source for c in jupytext.read(chapter).cells
+                                 if c.cell_type == "markdown"))
+        for term in sorted(glossary_terms() - seen):
+            word = re.escape(term)
+            match = re.search(rf"{_LINK}{word}{_LINK}|\b{word}(?:s|es)?\b", prose, re.I)
+            if match is None:
+                continue
+            seen.add(term)
+            if not (match[0].startswith(_LINK) or _defined(prose, match) or term in OTHER_SENSE):
+                context = prose[max(0, match.start() - 60):match.end() + 20].replace("\n", " ")
+                unexplained.append(f"{chapter.stem}: {term!r} in ...{context}")
+    assert len(seen) > 30 and not unexplained, "\n".join(unexplained)
+
+
 def test_bibliography_is_author_year_and_sorted_without_regard_to_case():
     """The book's pybtex style (book/_ext): labels as the text cites, A to Z whatever the case
     or braces of a name ({NVIDIA}, vLLM), and no raw TeX left in a rendered entry."""
