@@ -10,7 +10,7 @@ RUN := bash tools/under_load.sh $(LOAD)
 # spin while they wait for each other, and a step can take ten times as long.
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: book test unit pytest notebooks mutation clean
+.PHONY: book test unit pytest colab notebooks mutation clean
 
 $(READY): pyproject.toml course/pyproject.toml tools/setup_env.sh
 	VENV=$(VENV) bash tools/setup_env.sh
@@ -36,6 +36,12 @@ NBVAL := -m pytest --nbval notebooks/solutions --nbval-sanitize-with notebooks/s
 unit: $(READY)
 	$(BIN)/python -m pytest --ignore=tests/test_browser.py
 	$(BIN)/python $(NBVAL)
+
+# Every chapter's Colab copy run as Colab runs it: pagedlab from its wheel, in a folder away from
+# the repository; each must reproduce the values its prose quotes (timings within a factor).
+# About as long as the book build, so not part of `make test`; CI runs it after.
+colab: $(READY)
+	$(RUN) $(BIN)/python -m pytest -m colab tests/test_colab.py
 
 # Every test, the browser test included (it skips where the book is not built).
 pytest: $(READY)

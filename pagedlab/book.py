@@ -91,23 +91,32 @@ RESULTS_URL = "https://raw.githubusercontent.com/pagedlab/pagedlab/main/benchmar
 
 
 def gpu_results(name: str) -> dict:
-    """A GPU measurement committed in ``benchmarks/results/<name>.json``, with its machine and
-    date, for a chapter run without a GPU: from the repository beside the book, or (a pip
-    install on Colab) from the repository online."""
+    """A measurement committed in ``benchmarks/results/<name>.json``, with its machine and
+    date, for a chapter run where it was not measured: from the repository beside the book,
+    or (a pip install on Colab) from the repository online, downloaded once into
+    ``$PAGEDLAB_CACHE/results`` as the traces are."""
     import json
     import urllib.request
     from pathlib import Path
 
-    for root in (Path.cwd().parent, Path.cwd()):  # chapters run in book/, scripts at the root
-        path = root / "benchmarks" / "results" / f"{name}.json"
+    from pagedlab.checkpoints import cache_dir
+
+    cached = cache_dir() / "results" / f"{name}.json"
+    for path in (Path.cwd().parent / "benchmarks" / "results" / f"{name}.json",  # from book/
+                 Path.cwd() / "benchmarks" / "results" / f"{name}.json",  # from the root
+                 cached):
         if path.exists():
             return json.loads(path.read_text())
     try:
         with urllib.request.urlopen(f"{RESULTS_URL}/{name}.json", timeout=20) as response:
-            return json.loads(response.read())
+            data = response.read()
     except OSError as err:
         raise FileNotFoundError(f"benchmarks/results/{name}.json is neither beside the book "
-                                f"nor reachable at {RESULTS_URL}: {err}") from err
+                                f"nor in {cached.parent} nor reachable at {RESULTS_URL}: "
+                                f"{err}") from err
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    cached.write_bytes(data)
+    return json.loads(data)
 
 
 # "# >>> name" opens a section of a source, "# <<< name" closes it

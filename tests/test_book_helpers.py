@@ -66,3 +66,24 @@ def test_seconds_per_call_on_a_cpu_counts_work_not_waiting():
     import time
 
     assert seconds_per_call(lambda: time.sleep(0.05)) < 0.01
+
+
+def test_gpu_results_away_from_the_repository_downloads_once_then_reads_the_cache(
+        tmp_path, monkeypatch):
+    """As on Colab: no benchmarks/results beside the notebook, so the committed run comes
+    from the published repository, once; offline afterwards, the cached copy serves."""
+    import json
+
+    from pagedlab import book
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "mine.json").write_text(json.dumps({"device": "X", "date": "2026-12-03"}))
+    monkeypatch.setattr(book, "RESULTS_URL", site.as_uri())
+    monkeypatch.setenv("PAGEDLAB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path / "site")  # no benchmarks/ here nor one level up
+    assert book.gpu_results("mine") == {"device": "X", "date": "2026-12-03"}
+    (site / "mine.json").unlink()  # offline now
+    assert book.gpu_results("mine")["device"] == "X"
+    with pytest.raises(FileNotFoundError, match=r"benchmarks/results/other.json is neither"):
+        book.gpu_results("other")

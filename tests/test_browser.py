@@ -3,16 +3,17 @@ Chromium (Debian's `chromium`; `.ci/run` installs it), served over local HTTP.
 
 A page fails on a console error or an uncaught exception, on a block player whose frame stays
 put when its controls are used, and on anything a reader cannot see at 1280 px: a table, a
-code or output block (`pre`, a source listing) wider than its box, whether cut off or scrolled
-sideways (a scrollbar hides what the prose quotes); a figure whose text shows under 9 px. At
-400 px a page must not scroll sideways, and an SVG figure's text (a block view's) must still
-show at 9 px or more, in a box that scrolls sideways if need be. Collapsed outputs are opened before they are measured. The
-scripts a page loads from a CDN (MathJax, require.js, the widget manager) are served from the
-same versions' npm packages, fetched once into `_build/cdn`, so the test sees what an online
-reader sees without depending on those hosts. Screenshots at 1280 px go to `_build/screenshots`.
-Each chapter's page must also hold its executed outputs and a Colab button to its notebook, and
-its glossary links must land on entries; chapter 1's calculator must recompute in the page as
-`kv_summary` does.
+code or output block (`pre`, a source listing) or a displayed equation wider than its box,
+whether cut off or scrolled sideways (a scrollbar hides what the prose quotes); a figure whose
+text shows under 9 px. At 400 px a page must not scroll sideways, and an SVG figure's text (a
+block view's) must still show at 9 px or more, in a box that scrolls sideways if need be.
+Collapsed outputs are opened before they are measured. The scripts a page loads from a CDN
+(MathJax, require.js, the widget manager) are served from the same versions' npm packages,
+fetched once into `_build/cdn`, so the test sees what an online reader sees without depending
+on those hosts. Screenshots of every page at both widths go to `_build/screenshots`, for a
+person to look at. Each chapter's page must also hold its executed outputs and a Colab button
+to its notebook, and its glossary links must land on entries; chapter 1's calculator must
+recompute in the page as `kv_summary` does.
 
 These are the only tests that read the build: `make test` runs the rest beside the build.
 `PAGEDLAB_BOOK_HTML` points them at another build's html folder (its `cdn` and `screenshots`
@@ -149,6 +150,16 @@ MEASURE_JS = """async ({layout, pngs}) => {
     if (wide(p)) found.push([p.closest(".cell_input") ? "code" : "output", label(p),
                              `${p.scrollWidth - p.clientWidth} px wider than its box`]);
   }
+  for (const m of layout ? document.querySelectorAll("main mjx-container[display=true]") : []) {
+    // a displayed equation wider than the column runs past it, or scrolls inside its box
+    if (!shown(m)) continue;
+    const box = m.parentElement;
+    const over = Math.max(m.getBoundingClientRect().right - column.right,
+                          m.scrollWidth - m.clientWidth, box.scrollWidth - box.clientWidth);
+    const tex = window.MathJax?.startup?.document?.getMathItemsWithin(m)?.[0]?.math;
+    if (over > 1) found.push(["equation", (tex || label(m)).trim().slice(0, 70),
+                              `${Math.round(over)} px past its box`]);
+  }
   const svgText = (svg, scale, what) => {
     for (const t of svg.querySelectorAll("text")) {
       const px = parseFloat(t.getAttribute("font-size") || getComputedStyle(t).fontSize) * scale;
@@ -257,6 +268,7 @@ def check_page(page, url: str, measure: bool = True) -> list[str]:
         # an SVG figure (a block view) keeps readable text: a box that scrolls, not a shrink
         problems += [f"{kind} {what!r}: {how}" for kind, what, how in
                      page.evaluate(MEASURE_JS, {"layout": False, "pngs": False})]
+        screenshot(page, url, "-400px")
         return problems
     problems += [f"{kind} {what!r}: {how}" for kind, what, how in
                  page.evaluate(MEASURE_JS, {"layout": True, "pngs": True})]
@@ -270,11 +282,16 @@ def check_page(page, url: str, measure: bool = True) -> list[str]:
         if before < 0 or after in (before, -1) or at_zero != 0:
             problems.append(f"player {i}: frame {before} -> {after} after a button, "
                             f"{at_zero} after the slider went to 0")
+    screenshot(page, url)
+    return problems
+
+
+def screenshot(page, url: str, suffix: str = "") -> None:
+    """The whole page, for a person to look at (`_build/screenshots`)."""
     SHOTS.mkdir(parents=True, exist_ok=True)
     name = url.split("/", 3)[-1].replace("/", "_").removesuffix(".html")
     # a long page on a busy machine takes more than playwright's 30 s to capture
-    page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True, timeout=300_000)
-    return problems
+    page.screenshot(path=str(SHOTS / f"{name}{suffix}.png"), full_page=True, timeout=300_000)
 
 
 @pytest.mark.parametrize("path", PAGES, ids=lambda p: str(p.relative_to(BUILT)))

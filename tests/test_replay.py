@@ -162,6 +162,33 @@ def test_fit_recovers_known_constants():
     assert predicted.sum() == pytest.approx(sum(noisy))  # the fitted times add up
 
 
+def test_a_feature_the_noise_would_price_below_zero_is_priced_zero():
+    """Steps whose time does not depend on the cached tokens read, timed with noise: a plain
+    fit gives that feature a small negative price (chapter 10 once printed "-3 µs per cached
+    token read"); the fit keeps it at zero and the other terms still add up."""
+    rng = np.random.default_rng(1)
+    shapes = synthetic_steps(rng, 40)
+    exact = [0.03 + 2e-3 * len(s.decode_lens) + 1.5e-3 * sum(s.prefill_lens) for s in shapes]
+    names = ("decode_seqs", "prefill_tokens", "kv_tokens_read")
+    for seed in range(20):  # noise draws until one pushes the plain fit below zero
+        noisy = np.array(exact) * (1 + 0.1 * np.random.default_rng(seed).standard_normal(40))
+        x = np.array([[1.0] + [features(s.prefill_lens, s.decode_lens, s.prefill_starts)[n]
+                               for n in names] for s in shapes])
+        if np.linalg.lstsq(x, noisy, rcond=None)[0][3] < 0:
+            break
+    else:
+        pytest.fail("no noise draw gave a negative plain-fit price")
+    fit = fit_cost_model([StepTiming(0, t, s) for t, s in zip(noisy, shapes)], names,
+                         kv_bytes_per_token=1, swap_bandwidth=1.0)
+    assert fit.coefficients["kv_tokens_read"] == 0
+    assert min(fit.coefficients.values()) >= 0
+    assert fit.coefficients["prefill_tokens"] == pytest.approx(1.5e-3, rel=0.1)
+    assert fit.residuals.sum() == pytest.approx(0, abs=1e-9)  # the fitted times add up
+    # nothing non-negative fits better: nudging the zero price up only raises the error
+    worse = fit.residuals - 1e-7 * x[:, 3]
+    assert np.sum(worse ** 2) > np.sum(fit.residuals ** 2)
+
+
 def test_fitted_model_prices_steps_and_swaps_as_a_cost_model_does():
     fit = FittedCostModel(0.01, {"decode_seqs": 0.002, "prefill_tokens": 0.001}, 1000, 1e6)
     assert fit.step_time() == 0.0

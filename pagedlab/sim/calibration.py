@@ -15,6 +15,7 @@ turns a shape into the numbers the fit weighs.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -138,7 +139,9 @@ def relative_errors(cost, steps: Sequence[StepTiming]) -> np.ndarray:
 
 def fit_cost_model(steps: Sequence[StepTiming], names: Sequence[str] = DEFAULT_FEATURES, *,
                    kv_bytes_per_token: int, swap_bandwidth: float) -> FittedCostModel:
-    """Least squares: ``duration ~ constant + sum(coefficient * feature)`` over ``steps``.
+    """Least squares: ``duration ~ constant + sum(coefficient * feature)`` over ``steps``,
+    every coefficient >= 0: more work never makes a step cheaper, and a noisy profile must not
+    price a cached token read below zero. A feature the data cannot price comes out 0.
 
     Plain, unweighted squares: with a constant term the fitted times then add up to the
     measured total, and a request's latency is a sum of step times. (Weighing each step by
@@ -151,9 +154,24 @@ def fit_cost_model(steps: Sequence[StepTiming], names: Sequence[str] = DEFAULT_F
         raise ValueError(f"{len(steps)} steps cannot fit {len(names) + 1} constants")
     y = np.array([s.duration for s in steps])  # [steps] seconds
     x = np.array([[1.0] + [s.feature(n) for n in names] for s in steps])  # [steps, 1 + features]
-    coef = np.linalg.lstsq(x, y, rcond=None)[0]  # [1 + features]
+    coef = _nonnegative_lstsq(x, y)  # [1 + features]
     return FittedCostModel(float(coef[0]), {n: float(c) for n, c in zip(names, coef[1:])},
                            kv_bytes_per_token, swap_bandwidth, y - x @ coef, y)
+
+
+def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """``argmin |x c - y|`` with ``c[1:] >= 0`` (column 0 is the constant, free). The optimum
+    is the plain fit on the columns it leaves positive, so the best plain fit over column
+    subsets whose coefficients come out >= 0 is exact; a cost model has a handful of columns."""
+    best, best_error = None, np.inf
+    for keep in itertools.product((True, False), repeat=x.shape[1] - 1):
+        cols = [0] + [i + 1 for i, k in enumerate(keep) if k]
+        sub = np.linalg.lstsq(x[:, cols], y, rcond=None)[0]
+        error = np.sum((x[:, cols] @ sub - y) ** 2)
+        if (sub[1:] >= 0).all() and error < best_error:
+            best, best_error = np.zeros(x.shape[1]), error
+            best[cols] = sub
+    return best
 
 
 def profile(llm, *, batch_sizes: Sequence[int] = (1, 2, 4, 8, 16),
