@@ -4,8 +4,9 @@ pybtex's own styles label entries alpha-style ([KLZ+23]) and sort braced names s
 ``{NVIDIA}`` after Z; this one labels "Kwon et al., 2023" and "vLLM Team, 2025a" (the labels
 the Colab copies cite with, :func:`pagedlab_course.colab.labelled`) and sorts on those names,
 case and braces ignored. Titles keep their case as written: they name APIs, versions and
-flags (``LLM.beam_search``, ``SamplingParams``, ``GPU``) that sentence case would lowercase. The text cites by these labels (``bibtex_reference_style: label`` in
-``_config.yml``), so a citation names one entry even where authors and year repeat.
+flags (``LLM.beam_search``, ``SamplingParams``, ``GPU``) that sentence case would lowercase.
+The text cites by these labels (``bibtex_reference_style: label`` in ``_config.yml``), so a
+citation names one entry even where authors and year repeat.
 """
 
 from pybtex.plugin import register_plugin
