@@ -39,7 +39,7 @@ unit: $(READY)
 
 # Every chapter's Colab copy run as Colab runs it: pagedlab from its wheel, in a folder away from
 # the repository; each must reproduce the values its prose quotes (timings within a factor).
-# About as long as the book build, so not part of `make test` (nor of CI yet: see the README).
+# About as long as the book build, so not part of `make test`; .ci/run runs it after.
 colab: $(READY)
 	$(RUN) $(BIN)/python -m pytest -m colab tests/test_colab.py
 

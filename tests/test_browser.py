@@ -216,6 +216,23 @@ PAGE_SCROLL_JS = """() => {
     `${el.tagName.toLowerCase()}.${el.className}: ${(el.innerText || "").slice(0, 50)}`)];
 }"""
 
+# At a phone's width a displayed equation may be wider than the page, but its end must stay
+# reachable: inside a box that scrolls sideways, not one that clips it.
+CLIPPED_EQUATIONS_JS = """() => [...document.querySelectorAll("main mjx-container[display=true]")]
+  .filter((m) => m.checkVisibility()).flatMap((m) => {
+    const right = m.firstElementChild.getBoundingClientRect().right;
+    for (let a = m; a && a !== document.body; a = a.parentElement) {
+      const overflow = getComputedStyle(a).overflowX;
+      if (overflow === "auto" || overflow === "scroll") return [];
+      if (overflow !== "visible" && right > a.getBoundingClientRect().right + 1) {
+        const tex = window.MathJax?.startup?.document?.getMathItemsWithin(m)?.[0]?.math;
+        return [`equation "${(tex || "").trim().slice(0, 60)}": ${Math.round(right -
+          a.getBoundingClientRect().right)} px cut off`];
+      }
+    }
+    return [];
+  })"""
+
 VISIBLE_FRAME_JS = """(player) => [...player.querySelectorAll('.pagedlab-frame')]
   .findIndex((f) => !f.hidden)"""
 
@@ -265,6 +282,7 @@ def check_page(page, url: str, measure: bool = True) -> list[str]:
     if not measure:  # the phone's width: only whether the page scrolls sideways
         if scroll := page.evaluate(PAGE_SCROLL_JS):
             problems.append(f"the page scrolls sideways: {scroll[0]} px wide; the widest: {scroll[1]}")
+        problems += page.evaluate(CLIPPED_EQUATIONS_JS)
         # an SVG figure (a block view) keeps readable text: a box that scrolls, not a shrink
         problems += [f"{kind} {what!r}: {how}" for kind, what, how in
                      page.evaluate(MEASURE_JS, {"layout": False, "pngs": False})]
@@ -318,6 +336,13 @@ def test_every_chapter_page_was_found():
     assert {p.stem for p in (ROOT / "book").glob("ch*.md")} <= {p.stem for p in PAGES}
 
 
+def test_every_page_is_in_the_table_of_contents():
+    """A page the contents do not list (an index an extension adds, like sphinx-proof's
+    "Proof index") is one a reader reaches only from search, with nothing around it."""
+    listed = set(re.findall(r"(?:root|file): (\S+)", (ROOT / "_toc.yml").read_text()))
+    assert not {p.relative_to(BUILT).with_suffix("").as_posix() for p in PAGES} - listed
+
+
 @pytest.mark.parametrize("chapter", sorted((ROOT / "book").glob("ch*.md")), ids=lambda p: p.stem)
 def test_built_chapter_has_outputs_and_a_colab_button_to_its_notebook(chapter):
     html = (BUILT / "book" / f"{chapter.stem}.html").read_text()
@@ -335,13 +360,16 @@ PY_WARNING = re.compile(r"^.*\b\w*Warning: .*$", re.M)
 @pytest.mark.parametrize("chapter", sorted((ROOT / "book").glob("ch*.md")), ids=lambda p: p.stem)
 def test_built_chapter_prints_no_warning(chapter):
     """A Python warning in an output (matplotlib's "layout has changed to tight", a
-    deprecation) is noise above a figure or a table: the chapter must not cause it."""
+    deprecation) or a library's progress bar is noise above a figure or a table: the chapter
+    must not cause it."""
     html = (BUILT / "book" / f"{chapter.stem}.html").read_text()
     printed = [re.sub(r"<[^>]+>", "", block) for block in PRINTED.findall(html)]
     # the pattern still reads every printed output MyST-NB writes
     assert len(printed) == len(re.findall(r'class="output (?:stream|stderr)', html))
     warnings = [w.strip() for text in printed for w in PY_WARNING.findall(text)]
     assert not warnings, "\n".join(warnings)
+    # a library's progress bar (transformers' "Loading weights") saved as a widget
+    assert "ProgressModel" not in html, "a progress bar is saved in the page"
 
 
 @pytest.mark.parametrize("chapter", sorted((ROOT / "book").glob("ch*.md")), ids=lambda p: p.stem)

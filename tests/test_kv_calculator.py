@@ -4,6 +4,7 @@ import pytest
 
 from pagedlab.footprint import MODELS
 from pagedlab.viz.kv_calculator import DEFAULTS, kv_calculator, kv_presets, kv_summary
+from pagedlab.viz.tables import NOT_APPLICABLE
 
 
 def test_default_summary_quotes_table1():
@@ -52,6 +53,6 @@ def test_presets_table_lists_every_model_on_the_fewest_gpus_that_hold_it():
     rows = {row[0]: row for row in table.rows}
     assert set(rows) == set(MODELS)
     assert rows["OPT-13B"][2:4] == ["800.0", "1.562"] and rows["OPT-13B"][5:] == ["1", "7"]
-    assert rows["OPT-175B"][5:] == ["> 8", ""]
+    assert rows["OPT-175B"][5:] == ["> 8", NOT_APPLICABLE]
     assert rows["Llama-3-70B"][5] == "4", "70e9 fp16 weights need more than three 40 GB cards"
     assert all(table.numeric()[2:])

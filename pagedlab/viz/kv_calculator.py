@@ -19,7 +19,7 @@ from pagedlab.footprint import (
     MODELS, get_model, kv_bytes, kv_bytes_per_token, kv_capacity, kv_copies, weight_bytes,
 )
 from pagedlab.hardware import GPUS, GiB, KiB
-from pagedlab.viz.tables import Table
+from pagedlab.viz.tables import NOT_APPLICABLE, Table
 
 DEFAULTS = dict(
     model="OPT-13B", dtype="fp16", gpu="A100-40GB", context_len=2048, num_gpus=1,
@@ -60,7 +60,7 @@ def kv_presets(gpu: str = DEFAULTS["gpu"], context_len: int = DEFAULTS["context_
         fits = [(n, cap) for n in (1, 2, 4, 8) if (cap := kv_capacity(
             m, gpu, num_gpus=n, dtype=dtype, weight_dtype=weight_dtype)).weights_fit]
         gpus, seqs = (f"{fits[0][0]}", f"{fits[0][1].token_slots // context_len:,}") if fits \
-            else ("> 8", "")
+            else ("> 8", NOT_APPLICABLE)
         rows.append([m.name, m.attention.upper(), f"{kv_bytes_per_token(m, dtype) / KiB:,.1f}",
                      f"{kv_bytes(m, context_len, dtype) / GiB:,.3f}",
                      f"{weight_bytes(m, weight_dtype) / GiB:,.1f}", gpus, seqs])

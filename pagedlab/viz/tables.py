@@ -12,6 +12,7 @@ import html
 import re
 
 NUMBER = re.compile(r"^[+\-\u2212~<>\u2248]?\s*\$?[\d.,]+")  # "1,663", "-4%", "0.81x", "~2 GiB"
+NOT_APPLICABLE = "\u2013"  # an en dash: a cell with no value, in a column of numbers
 CELL = "padding:0.25em 0.75em;border-bottom:1px solid #ddd;"
 NOWRAP = "white-space:nowrap;"
 
@@ -37,9 +38,10 @@ class Table:
             raise ValueError(f"table rows {bad} do not have the header's {len(self.header)} cells")
 
     def numeric(self) -> list[bool]:
-        """Whether each column holds numbers (every non-empty body cell starts with one)."""
+        """Whether each column holds numbers (every body cell with a value starts with one)."""
         columns = zip(*self.rows) if self.rows else [()] * len(self.header)
-        return [any(c for c in col) and all(NUMBER.match(c) for c in col if c) for col in columns]
+        return [any(c for c in col) and all(NUMBER.match(c) for c in col
+                                            if c and c != NOT_APPLICABLE) for col in columns]
 
     def transposed(self) -> Table:
         """Columns as rows: a table with many columns and few rows reads better this way."""
