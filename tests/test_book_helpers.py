@@ -87,3 +87,28 @@ def test_gpu_results_away_from_the_repository_downloads_once_then_reads_the_cach
     assert book.gpu_results("mine")["device"] == "X"
     with pytest.raises(FileNotFoundError, match=r"benchmarks/results/other.json is neither"):
         book.gpu_results("other")
+
+
+def test_a_download_cut_short_or_corrupt_leaves_no_file_in_the_cache(tmp_path, monkeypatch):
+    """gpu_results and trace_path trust what the cache holds: a download killed before it
+    completes, or one whose bytes are not the published file's, must leave nothing there."""
+    from pathlib import Path
+
+    from pagedlab.checkpoints import download_to_cache
+
+    source = tmp_path / "mine.json"
+    source.write_text('{"device": "X"}')
+    target = tmp_path / "cache" / "results" / "mine.json"
+    with pytest.raises(ValueError, match=r"not the published one \(SHA-256 [0-9a-f]{64}, "):
+        download_to_cache(source.as_uri(), target, sha256="0" * 64)
+    assert not target.exists()
+
+    def killed(self, target):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Path, "replace", killed)  # the process dies before the rename
+    with pytest.raises(KeyboardInterrupt):
+        download_to_cache(source.as_uri(), target)
+    assert not target.exists()
+    monkeypatch.undo()
+    assert download_to_cache(source.as_uri(), target).read_text() == '{"device": "X"}'

@@ -266,9 +266,8 @@ def trace_path(name: str) -> Path | None:
     against its SHA-256; None, saying why, when neither can be had (offline), and the chapter
     falls back to synthetic requests."""
     import hashlib
-    import urllib.request
 
-    from pagedlab.checkpoints import cache_dir
+    from pagedlab.checkpoints import cache_dir, download_to_cache
 
     if (path := shared_trace_path(name)) is not None or name not in PUBLISHED_TRACES:
         return path
@@ -278,16 +277,9 @@ def trace_path(name: str) -> Path | None:
         return path
     url = f"{PUBLISHED_URL}/{file}"
     try:
-        with urllib.request.urlopen(url, timeout=30) as response:
-            data = response.read()
+        return download_to_cache(url, path, sha256=digest)
     except OSError as err:
         print(f"{name}: not in ../shared/traces and not downloadable from {url} ({err})")
         return None
-    if hashlib.sha256(data).hexdigest() != digest:
-        raise ValueError(f"{name}: the file downloaded from {url} is not the published trace "
-                         f"(SHA-256 {hashlib.sha256(data).hexdigest()}, expected {digest})")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(".partial")
-    partial.write_bytes(data)
-    partial.replace(path)
-    return path
+    except ValueError as err:
+        raise ValueError(f"{name}: {err}") from err
