@@ -105,9 +105,11 @@ BY_WORDS = {
                             "peak_running", "rate", "run_s", "tpot_ratio", "ttft50_128",
                             "ttft50_2048", "ttft_ratio"},
 }
-# Not compared: the machine's load average, and a price the prose says the profile hardly
-# determines (its sign can change from run to run).
-UNCOMPARED = {"ch10_reproducing_the_paper": {"val_load", "val_kv_read"},
+# Not compared: the machine's load average, a price the prose says the profile hardly
+# determines (its sign can change from run to run), and ch10's verdict on its errors against
+# the aim of 10% and 20%, which errors within their tolerance can cross (builds measured a median
+# error of 14% and 20%).
+UNCOMPARED = {"ch10_reproducing_the_paper": {"val_aim", "val_load", "val_kv_read"},
               "ch13_serving_online": {"load"}}
 TIMING_FACTOR, PERCENT_POINTS = 3, 20
 NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?(%?)")
