@@ -85,13 +85,23 @@ TIMINGS = {
     "ch08_engine": {"cb_sentence", "step_attn_share", "step_gemm_share", "step_model_python",
                     "step_other_share", "step_python_share", "step_ratio", "tp_floor", "tp_hf",
                     "tp_ours", "tp_ratio"},
-    "ch09_chunked_prefill": {"cpu_small_ttft", "cpu_small_worst", "cpu_tpot", "cpu_whole_ttft",
-                             "cpu_whole_worst"},
+    "ch09_chunked_prefill": {"cpu_small_ttft", "cpu_small_worst", "cpu_tpot", "cpu_tpot_ratio",
+                             "cpu_whole_ttft", "cpu_whole_worst"},
     "ch10_reproducing_the_paper": {"val_capacity", "val_const_ms", "val_decode_ms",
                                    "val_fit_rms", "val_med_err", "val_own_err", "val_p90_err",
                                    "val_pairs_rms", "val_prefill_ms"},
     "ch12_speculative_decoding": {"cpu_speedup_editing", "cpu_speedup_open", "draft_c_measured",
                                   "draft_measured", "draft_predicted_measured"},
+}
+# Rounding errors against a reference (quoted as "agree to ..."): the CPU's vector instructions
+# decide the order of a product's sums, so another machine's error is another small multiple of
+# a unit in the last place (a CI rehearsal found factors up to 2.2). Within ROUNDING_FACTOR; the
+# errors chapter 3 compares with one another, and an exact 0, stay exact.
+ROUNDING = {
+    "ch03_blockwise_softmax": {"att_err", "bw_err", "merge_err", "online_err16"},
+    "ch07_decode_kernel": {"kernel_vs_ref", "online_vs_kernel", "ref_vs_sdpa", "split_worst"},
+    "ch08_engine": {"beam_err", "logprob_err", "mixed_max_err"},
+    "ch09_chunked_prefill": {"spec_vs_sdpa", "varlen_vs_spec"},
 }
 # Compared by their words alone, signs aside: values read off the wall clock (a request's TTFT
 # as vLLM's metrics define it, a live server's latencies and what was fitted to them), and
@@ -111,7 +121,7 @@ BY_WORDS = {
 # error of 14% and 20%).
 UNCOMPARED = {"ch10_reproducing_the_paper": {"val_aim", "val_load", "val_kv_read"},
               "ch13_serving_online": {"load"}}
-TIMING_FACTOR, PERCENT_POINTS = 3, 20
+TIMING_FACTOR, PERCENT_POINTS, ROUNDING_FACTOR = 3, 20, 10
 NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?(%?)")
 SIGNED = re.compile(r"[+\-−]?" + NUMBER.pattern)
 
@@ -119,6 +129,15 @@ SIGNED = re.compile(r"[+\-−]?" + NUMBER.pattern)
 def same_words(got: str, book: str) -> bool:
     """The same phrase once every number, and its sign, is blanked out."""
     return SIGNED.sub("#", got) == SIGNED.sub("#", book)
+
+
+def same_rounding(got: str, book: str) -> bool:
+    """Two errors within ROUNDING_FACTOR of each other (so an exact 0 matches only 0)."""
+    try:
+        x, y = float(got), float(book)
+    except ValueError:
+        return False
+    return max(x, y) <= ROUNDING_FACTOR * min(x, y)
 
 
 def same_timing(got: str, book: str) -> bool:
@@ -134,6 +153,13 @@ def same_timing(got: str, book: str) -> bool:
     return True
 
 
+def agrees(stem: str, name: str, got: str, book: str) -> bool:
+    """Whether a glued value of a Colab run reads as the book's, by the rule its name is given."""
+    rules = ((TIMINGS, same_timing), (ROUNDING, same_rounding), (BY_WORDS, same_words))
+    return (got == book or name in UNCOMPARED.get(stem, ())
+            or any(name in table.get(stem, ()) and same(got, book) for table, same in rules))
+
+
 @pytest.mark.colab
 @pytest.mark.slow
 @pytest.mark.parametrize("chapter", CHAPTERS, ids=lambda p: p.stem)
@@ -141,8 +167,7 @@ def test_a_colab_copy_run_from_the_wheel_computes_the_numbers_its_prose_quotes(
         chapter, colab, tmp_path, monkeypatch):
     """As Colab runs it: pagedlab installed from a wheel, the copy alone in a folder with no
     repository and no ../shared beside it. Every glued value must be the one the copy quotes,
-    which the book build computed; a CPU timing within TIMING_FACTOR, a wall-clock one (or ch10's
-    drift) in its words."""
+    which the book build computed, or agree with it by the rule its name is given."""
     pytest.importorskip("myst_nb")  # records the glued values in the outputs
     from nbclient import NotebookClient
 
@@ -164,11 +189,8 @@ def test_a_colab_copy_run_from_the_wheel_computes_the_numbers_its_prose_quotes(
     assert Path(where).is_relative_to(site), f"the copy imported pagedlab from {where}"
     got = glued(copy)
     assert set(expected) <= set(got), sorted(set(expected) - set(got))
-    timings, words = TIMINGS.get(chapter.stem, set()), BY_WORDS.get(chapter.stem, set())
     differ = {k: (got[k], v) for k, v in expected.items()
-              if k not in UNCOMPARED.get(chapter.stem, ())
-              and not (got[k] == v or k in timings and same_timing(got[k], v)
-                       or k in words and same_words(got[k], v))}
+              if not agrees(chapter.stem, k, got[k], v)}
     assert not differ, f"{chapter.stem} run from the wheel (got, prose): {differ}"
 
 
@@ -188,10 +210,20 @@ def test_words_alone_ignore_numbers_and_their_signs_but_not_words():
     assert not same_words("3 ms", "3 s") and not same_words("1 to 2", "1")
 
 
+def test_a_rounding_error_agrees_within_its_factor_and_only_by_its_rule():
+    assert same_rounding("2e-07", "9e-08") and same_rounding("4e-05", "2e-05")
+    assert not same_rounding("2e-06", "9e-08") and not same_rounding("0", "1e-08")
+    assert not same_rounding("(no model)", "1e-08")
+    assert agrees("ch07_decode_kernel", "online_vs_kernel", "2e-07", "9e-08")
+    assert not agrees("ch03_blockwise_softmax", "lse_err", "1e-08", "0")  # exact
+    assert not agrees("ch03_blockwise_softmax", "acc_torch32", "3e-06", "1e-06")  # compared
+    assert agrees("ch09_chunked_prefill", "cpu_tpot_ratio", "0.86", "1.02")
+
+
 def test_every_value_given_a_tolerance_is_one_its_chapter_glues():
-    """A misspelt name in TIMINGS, BY_WORDS or UNCOMPARED would loosen nothing it means to and
-    hide that; a value has at most one rule."""
-    tables = (TIMINGS, BY_WORDS, UNCOMPARED)
+    """A misspelt name in a table of rules would loosen nothing it means to and hide that; a
+    value has at most one rule."""
+    tables = (TIMINGS, ROUNDING, BY_WORDS, UNCOMPARED)
     for table in tables:
         for stem, names in table.items():
             copy = nbformat.read(ROOT / "book" / f"{stem}.ipynb", as_version=4)
