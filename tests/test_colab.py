@@ -87,9 +87,9 @@ TIMINGS = {
                     "tp_ours", "tp_ratio"},
     "ch09_chunked_prefill": {"cpu_small_ttft", "cpu_small_worst", "cpu_tpot", "cpu_tpot_ratio",
                              "cpu_whole_ttft", "cpu_whole_worst"},
-    "ch10_reproducing_the_paper": {"val_capacity", "val_const_ms", "val_decode_ms",
-                                   "val_fit_rms", "val_med_err", "val_own_err", "val_p90_err",
-                                   "val_pairs_rms", "val_prefill_ms"},
+    "ch10_reproducing_the_paper": {"val_capacity", "val_fit_rms", "val_med_err", "val_own_err",
+                                   "val_p90_err", "val_pairs_rms", "val_prefill_ms",
+                                   "val_step8_ms"},
     "ch12_speculative_decoding": {"cpu_speedup_editing", "cpu_speedup_open", "draft_c_measured",
                                   "draft_measured", "draft_predicted_measured"},
 }
@@ -115,11 +115,14 @@ BY_WORDS = {
                             "peak_running", "rate", "run_s", "tpot_ratio", "ttft50_128",
                             "ttft50_2048", "ttft_ratio"},
 }
-# Not compared: the machine's load average, a price the prose says the profile hardly
-# determines (its sign can change from run to run), and ch10's verdict on its errors against
-# the aim of 10% and 20%, which errors within their tolerance can cross (builds measured a median
-# error of 14% and 20%).
-UNCOMPARED = {"ch10_reproducing_the_paper": {"val_aim", "val_load", "val_kv_read"},
+# Not compared: the machine's load average; a price the prose says the profile hardly
+# determines (its sign can change from run to run); how ch10's fit splits a step's price
+# between the step and its decoding sequences, which is the processor's (CI measured 3.4 ms per
+# sequence where the build had 13.2; their sum, val_step8_ms, is compared); and ch10's verdict
+# on its errors against the aim of 10% and 20%, which errors within their tolerance can cross
+# (builds measured a median error of 14% and 20%).
+UNCOMPARED = {"ch10_reproducing_the_paper": {"val_aim", "val_const_ms", "val_decode_ms",
+                                             "val_kv_read", "val_load"},
               "ch13_serving_online": {"load"}}
 TIMING_FACTOR, PERCENT_POINTS, ROUNDING_FACTOR = 3, 20, 10
 NUMBER = re.compile(r"\d[\d,]*(?:\.\d+)?(%?)")
