@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.parser import text_string_to_metric_families
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -92,3 +93,13 @@ class ServerMetrics:
             self.e2e.observe(times[-1] - arrival)
             for before, after in zip(times, times[1:]):
                 self.itl.observe(after - before)
+
+
+def scrape(page: str) -> dict[str, float]:
+    """The ``vllm:*`` samples of a ``/metrics`` page by sample name, histogram buckets and
+    labels left out: a client's view. Prometheus names a counter's sample ``<name>_total``
+    (``vllm:num_preemptions_total``), so read a counter by that name, and index the result
+    (``m[name]``) rather than ``m.get(name, 0)``: a misspelt name then fails loudly."""
+    return {s.name: s.value for family in text_string_to_metric_families(page)
+            for s in family.samples
+            if s.name.startswith("vllm:") and not s.name.endswith("_bucket")}

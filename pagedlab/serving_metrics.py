@@ -1,20 +1,24 @@
 """What a client of an LLM server measures: TTFT, TPOT, ITL, end-to-end latency, throughput
 and goodput under an SLO, from the timestamps of each streamed request.
 
-The definitions are those of vLLM's serving benchmark (``benchmarks/benchmark_serving.py``,
-``calculate_metrics``, at commit 0049e29c), so numbers from ``benchmarks/bench_serving.py``
-read like the ones people quote:
+The definitions are those of vLLM's serving benchmark (``calculate_metrics`` in
+``benchmarks/benchmark_serving.py`` at commit 0049e29c; the client's stamps as in
+``vllm/benchmarks/lib/endpoint_request_func.py``), so numbers from
+``benchmarks/bench_serving.py`` read like the ones people quote:
 
-- TTFT: from sending the request to the first streamed chunk that carries text.
-- ITL: the gaps between consecutive text-carrying chunks, pooled over all requests.
+- TTFT: from sending the request to the first streamed chunk with a choice (its text may be
+  empty, as for a held-back partial character).
+- ITL: the gaps between consecutive chunks with a choice, pooled over all requests.
 - TPOT: per request, ``(e2e - ttft) / (output_tokens - 1)``, for requests of two or more
   tokens: the mean time per token after the first, whether tokens came one per chunk or not.
-- E2E latency: from sending the request to the end of its stream.
+- E2E latency: from sending the request to its last chunk with a choice (the trailing usage
+  chunk carries no token).
 - Throughput: completed requests and output tokens over the benchmark's duration (first send
   to last completion); goodput counts only the requests that met every SLO given (a request
   of one token has TPOT 0 there).
 
 Percentiles interpolate linearly between order statistics (numpy's default), as vLLM's do.
+This client reports the 90th and 99th; vLLM's reports the 99th unless asked for others.
 
 :func:`benchmark` is the client that stamps those times (streaming through the official
 ``openai`` client); :func:`predict` is the simulator's run of the same workload, with a cost
@@ -44,8 +48,8 @@ class RequestRecord:
     prompt_len: int
     output_len: int  # tokens requested
     sent: float = 0.0
-    chunk_times: list[float] = field(default_factory=list)  # each chunk that carried text
-    done: float | None = None  # when its stream ended; None if it failed
+    chunk_times: list[float] = field(default_factory=list)  # each chunk with a choice
+    done: float | None = None  # when its stream ended (after the usage chunk); None if it failed
     output_tokens: int = 0  # tokens received (the server's usage, or chunks counted)
     text: str = ""  # the streamed text, joined
     error: str | None = None
@@ -60,7 +64,7 @@ class RequestRecord:
 
     @property
     def e2el(self) -> float:
-        return self.done - self.sent
+        return self.chunk_times[-1] - self.sent
 
     @property
     def itl(self) -> list[float]:
@@ -214,9 +218,8 @@ async def one_request(client, model: str, prompt, record: RequestRecord, force: 
                 usage = chunk.usage.completion_tokens
             if chunk.choices:
                 chunks += 1
-                if chunk.choices[0].text:
-                    record.chunk_times.append(now)
-                    record.text += chunk.choices[0].text
+                record.chunk_times.append(now)
+                record.text += chunk.choices[0].text or ""
         record.done = time.perf_counter()
         # The server's count when it reports usage (pagedlab, vLLM); else one token per chunk
         # (a held-back partial character comes as an empty chunk).

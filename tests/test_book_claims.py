@@ -134,6 +134,27 @@ def test_every_paragraph_about_another_system_names_its_claims():
                          "batching with no <!-- claim: ID --> marker:\n  " + "\n  ".join(missing))
 
 
+CHECKED = re.compile(r"(\d{4}-\d{2}-\d{2})(?: \(as cited\))?")
+SOURCE = re.compile(r"\{cite:p\}`[^`]+`|`[^`]+` in transformers [\d.]+")
+
+
+def test_every_row_names_a_source_and_the_date_it_was_checked():
+    """A claim about a moving system holds at a version: the row names what was read (a
+    citation, or a command run at a version) and the day it was checked against it."""
+    import datetime
+
+    bad = []
+    for i, (_, _, source, checked) in table_rows():
+        if not SOURCE.search(source) or re.search(r"\bnone cited\b", source):
+            bad.append(f"{i}: no source ({source!r})")
+        m = CHECKED.fullmatch(checked)
+        if not m:
+            bad.append(f"{i}: no date checked ({checked!r})")
+        elif datetime.date.fromisoformat(m[1]) > datetime.date.today():
+            bad.append(f"{i}: checked in the future ({checked!r})")
+    assert not bad, f"{VERSIONS.name}:\n  " + "\n  ".join(bad)
+
+
 def test_every_marker_names_a_row():
     ids = set(table_ids())
     unknown = [f"{p.where()}: {i}" for p, found in markers() for i in found if i not in ids]

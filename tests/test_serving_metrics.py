@@ -13,7 +13,8 @@ from pagedlab.serving_metrics import (RequestRecord, arrival_offsets, distributi
 def records():
     """Three requests that completed and one that failed; times in seconds."""
     return [
-        # TTFT 0.5, E2E 1.7, gaps 0.2 0.3 0.6, TPOT (1.7 - 0.5) / 3 = 0.4
+        # TTFT 0.5, E2E 1.6 (to the last chunk with a choice: the usage chunk at 11.7 carries
+        # no token), gaps 0.2 0.3 0.6, TPOT (1.6 - 0.5) / 3
         RequestRecord(8, 4, sent=10.0, chunk_times=[10.5, 10.7, 11.0, 11.6], done=11.7,
                       output_tokens=4),
         # TTFT 0.2, E2E 0.3, gap 0.1, TPOT 0.1
@@ -26,7 +27,7 @@ def records():
 
 def test_per_request_latencies():
     a, b, c, failed = records()
-    assert (a.ttft, a.e2el, a.tpot) == pytest.approx((0.5, 1.7, 0.4))
+    assert (a.ttft, a.e2el, a.tpot) == pytest.approx((0.5, 1.6, 1.1 / 3))
     assert a.itl == pytest.approx([0.2, 0.3, 0.6])
     assert (b.ttft, b.e2el, b.tpot) == pytest.approx((0.2, 0.3, 0.1))
     assert c.tpot is None and c.itl == [] and c.ttft == pytest.approx(1.0)
@@ -44,16 +45,20 @@ def test_summary_matches_hand_computed_throughput_and_percentiles():
     # TTFT 200, 500, 1000 ms: p90 lies 0.8 of the way from 500 to 1000, p99 0.98 of it
     assert s["ttft_ms"] == pytest.approx(
         {"mean": 1700 / 3, "median": 500, "p90": 900, "p99": 990})
-    # TPOT over the two requests of 2+ tokens: 100, 400 ms
-    assert s["tpot_ms"] == pytest.approx({"mean": 250, "median": 250, "p90": 370, "p99": 397})
+    # TPOT over the two requests of 2+ tokens: 100, 366.7 ms
+    t = 1100 / 3
+    assert s["tpot_ms"] == pytest.approx({"mean": (100 + t) / 2, "median": (100 + t) / 2,
+                                          "p90": 100 + 0.9 * (t - 100),
+                                          "p99": 100 + 0.99 * (t - 100)})
     # ITL pooled over requests: 100, 200, 300, 600 ms; p90 at rank 2.7, p99 at rank 2.97
     assert s["itl_ms"] == pytest.approx({"mean": 300, "median": 250, "p90": 510, "p99": 591})
+    # E2E 300, 1000, 1600 ms
     assert s["e2el_ms"] == pytest.approx(
-        {"mean": 1000, "median": 1000, "p90": 1560, "p99": 1686})
+        {"mean": 2900 / 3, "median": 1000, "p90": 1480, "p99": 1588})
 
 
 @pytest.mark.parametrize("slo, good", [
-    (["ttft:600", "tpot:300"], 1),   # a: TPOT 400 too slow; c: TTFT 1000 too slow
+    (["ttft:600", "tpot:300"], 1),   # a: TPOT 367 too slow; c: TTFT 1000 too slow
     (["ttft:1000"], 3),              # the bound is inclusive
     (["tpot:50"], 1),                # only c, whose one token counts as TPOT 0
     (["e2el:1000", "ttft:999"], 1),  # only b
