@@ -12,86 +12,21 @@ row is named by some marker, and each row lists the pages that name it.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from pathlib import Path
+
+from book_text import ID, MARKER, Paragraph, paragraphs
 
 ROOT = Path(__file__).resolve().parents[1]
 BOOK = ROOT / "book"
 VERSIONS = BOOK / "versions.md"
 PAGES = [*sorted(BOOK.glob("ch*.md")), BOOK / "preface.md", BOOK / "glossary.md"]
 
-ID = r"[a-z0-9]+(?:-[a-z0-9]+)*"  # kebab-case: never "--", which would end the comment
-MARKER = re.compile(rf"<!-- claim: ({ID}(?: {ID})*) -->")
 ANY_MARKER = re.compile(r"<!--\s*claims?\b[^>]*-->|<!--\s*claims?\b")
 # what makes a paragraph need a marker (case-sensitive: "v1" and "vllm" in ids and paths do not)
 TRIGGER = re.compile(r"vLLM|\bV[01]\b|SGLang|generate_batch|ContinuousBatchingManager")
 NANO = re.compile(r"nano-vllm", re.IGNORECASE)
 CONTINUOUS = re.compile(r"continuous\s+batching", re.IGNORECASE)
 TRANSFORMERS = re.compile(r"\btransformers\b")
-
-FENCE = re.compile(r"^(?P<indent>\s*)(?P<fence>`{3,}|:{3,})(?P<rest>.*)$")
-NOT_PROSE = ("{code-cell}", "{code-block}", "{code}", "{literalinclude}", "{math}")
-OPTION = re.compile(r"^\s*:[\w-]+:")
-ITEM = re.compile(r"^\s*(?:[-*+]|\d+\.)\s")
-ROW = re.compile(r"^\s*\|")
-
-
-@dataclass
-class Paragraph:
-    page: str
-    line: int  # 1-based, of its first line
-    text: str
-
-    def where(self) -> str:
-        words = " ".join(MARKER.sub("", self.text).split()[:8])
-        return f"{self.page}:{self.line} ({words} ...)"
-
-
-def paragraphs(path: Path) -> list[Paragraph]:
-    """The Markdown prose of a page, as paragraphs: runs of lines between blank lines, a list
-    item or a table row each on its own, in admonitions, dropdowns, exercises and glossary
-    entries too; code cells, code blocks, math blocks and front matter left out."""
-    lines = path.read_text().split("\n")
-    out: list[Paragraph] = []
-    cur: list[str] = []
-    start = 0
-
-    def flush():
-        nonlocal cur
-        if cur:
-            out.append(Paragraph(path.name, start, "\n".join(cur)))
-        cur = []
-
-    i = 0
-    if lines and lines[0].strip() == "---":  # jupytext front matter
-        i = lines.index("---", 1) + 1
-    stack: list[tuple[str, bool]] = []  # open fences: (fence, holds prose)
-    while i < len(lines):
-        line = lines[i]
-        fence = FENCE.match(line)
-        prose = all(p for _, p in stack)
-        if fence and stack and line.strip() == stack[-1][0]:
-            stack.pop()
-            flush()
-        elif fence and prose:
-            rest = fence["rest"].strip()
-            is_prose = rest.startswith("{") and not rest.startswith(NOT_PROSE)
-            stack.append((fence["fence"], is_prose))
-            flush()
-            while is_prose and i + 1 < len(lines) and OPTION.match(lines[i + 1]):
-                i += 1
-        elif not prose:
-            pass
-        elif not line.strip() or line.startswith(("%", "+++", "#")) or re.match(r"^\([\w.:-]+\)=", line):
-            flush()  # a blank line, a MyST comment, a cell break, a heading, a target
-        else:
-            if ITEM.match(line) or ROW.match(line) or not cur:
-                flush()
-                start = i + 1
-            cur.append(line)
-        i += 1
-    flush()
-    return out
 
 
 def needs_a_marker(text: str) -> bool:
