@@ -130,3 +130,43 @@ def test_the_book_shows_a_player_where_no_kernel_answers():
     # the HTML builder skips the widget view (inert without a kernel) for the player
     assert ["html", "application/vnd.jupyter.widget-view+json", None] in [
         list(o) for o in config["nb_mime_priority_overrides"]]
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_the_scheduler_playground_steps_as_the_scheduler_does(mode):
+    """Seeded adds and steps, mirrored on a scheduler built and stepped as the scheduling
+    tests do: the same queues after every step, the step's text saying who ran, who was
+    preempted and how, within the token budget."""
+    from scheduling import make, run_step
+
+    from pagedlab import SamplingParams
+    from pagedlab.viz.playground import SchedulerPlayground
+
+    play = SchedulerPlayground(num_blocks=6, num_cpu_blocks=8, max_num_batched_tokens=12,
+                               preemption_mode=mode)
+    twin = make(num_blocks=6, block_size=4, num_cpu_blocks=8, max_num_batched_tokens=12,
+                max_num_seqs=8, preemption_mode=mode, watermark=0.0)
+    rng, fresh, preempted = random.Random(3), 1000, 0
+    for i in range(60):
+        if rng.random() < 0.35 or not twin.has_unfinished:
+            prompt, out = rng.randint(4, 12), rng.randint(4, 12)
+            assert play.do("add", f"r{i}", prompt, out)
+            last, fresh = f"r{i}", fresh + prompt
+            twin.add_request(f"r{i}", list(range(fresh - prompt, fresh)),
+                             SamplingParams(temperature=0, max_tokens=out, ignore_eos=True))
+            continue
+        assert play.do("step")
+        step, finished = run_step(twin)
+        text = play.log[-1]
+        used = sum(c.num_tokens for c in (*step.prefills, *step.decodes))
+        assert f"{used} of 12 budget tokens" in text and used <= 12
+        for group, how in step.preempted:
+            preempted += 1
+            assert f"preempted {group.request_id} by {how}" in text
+        assert all(g.request_id in text.split("finished")[1] for g in finished)
+        for name in ("running", "waiting", "swapped"):
+            assert ([g.request_id for g in getattr(play.scheduler, name)]
+                    == [g.request_id for g in getattr(twin, name)]), (name, text)
+    assert preempted  # the walk runs out of blocks at least once
+    if last in play.scheduler.unfinished:  # a request id in use: refused, nothing changed
+        assert not play.do("add", last, 4, 2) and f"refused: add {last}" in play.log[-1]

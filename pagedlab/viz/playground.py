@@ -1,10 +1,13 @@
-"""A KV-cache playground: buttons that drive a live :class:`KVCacheManager` (chapters 4, 5).
+"""Playgrounds: buttons that drive a live :class:`KVCacheManager` (chapters 4, 5) or a live
+:class:`~pagedlab.engine.Scheduler` (chapter 6).
 
-Each button calls the manager itself (allocate, append, fork, free, preempt by swapping out,
+In :class:`KVPlayground` each button calls the manager itself (allocate, append, fork, free, preempt by swapping out,
 resume); the picture is the manager's state after it, replayed from its events and drawn by
 :mod:`pagedlab.viz.block_view`, so the reader sees block tables, reference counts, the free
 and cached-free blocks and each copy-on-write. An operation the manager refuses shows the
-manager's own message and changes nothing.
+manager's own message and changes nothing. In :class:`SchedulerPlayground` a reader queues
+requests and steps the engine's own scheduler, with placeholder tokens for a model, and sees
+each step's batch, its token budget, its preemption victim and the blocks that moved.
 
 Built on ipywidgets 8's core widgets (buttons, text boxes, HTML), which JupyterLab, Notebook 7,
 VS Code and Colab all render with no extension to install, and which pagedlab already depends
@@ -17,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 from html import escape
 
+from pagedlab.engine import Placeholders, SamplingParams, Scheduler, SchedulerConfig, run_step
 from pagedlab.memory import KVCacheManager
 from pagedlab.memory.errors import InvariantError, OutOfBlocks, StateError, UnknownSequence
 from pagedlab.viz.block_player import BlockPlayer
@@ -24,14 +28,110 @@ from pagedlab.viz.block_replay import Snapshot, history
 from pagedlab.viz.block_view import block_svg, scroll_box, seq_colors
 
 SHARED_PROMPT = tuple(range(1, 9))  # a "system prompt" of 8 tokens that prompts may start with
-# What the manager raises for a request it refuses; anything else is a bug and propagates.
-REFUSALS = (OutOfBlocks, UnknownSequence, StateError, ValueError)
-OPERATIONS = ("allocate", "allocate_shared", "append", "fork", "free", "preempt", "resume")
 
 
-class KVPlayground:
+class Live:
+    """What a playground shares: a manager that records its events (``self.mgr``), the
+    operations a reader may run (``OPERATIONS``, each a method returning its log line), their
+    log, the pictures of the last one, and the forms the playground is shown in."""
+
+    OPERATIONS: tuple[str, ...] = ()
+    # What the library raises for a request it refuses; anything else is a bug and propagates.
+    REFUSALS: tuple[type[Exception], ...] = (OutOfBlocks, UnknownSequence, StateError, ValueError)
+    mgr: KVCacheManager
+
+    def reset(self) -> None:
+        self.log: list[str] = []
+        self._shown_from = 0  # the first manager event of the last operation that ran
+        self._fresh = 1000  # token ids no prompt has used: a prompt shares only what it means to
+
+    def _tokens(self, n: int) -> list[int]:
+        self._fresh += n
+        return list(range(self._fresh - n, self._fresh))
+
+    def do(self, operation: str, *args) -> bool:
+        """Run one operation; log it, or the library's refusal. True if it ran. A refused
+        operation leaves the manager as it was (the library's own guarantee, checked here)."""
+        if operation not in self.OPERATIONS:
+            raise ValueError(f"unknown operation {operation!r}; one of "
+                             f"{', '.join(self.OPERATIONS)}")
+        before = len(self.mgr.events)
+        try:
+            self.log.append(getattr(self, operation)(*args))
+        except self.REFUSALS as refusal:
+            if len(self.mgr.events) != before:
+                raise InvariantError(f"{operation}{args}: refused after changing the manager")
+            self.log.append(f"refused: {operation} {' '.join(map(str, args))}: {refusal}")
+            return False
+        self._shown_from = before
+        self.mgr.commit()  # the work "ran": its blocks may be hit by the next prompt
+        self.mgr.check_invariants()
+        return True
+
+    def snapshots(self) -> list[Snapshot]:
+        return history(self.mgr)
+
+    def picture(self) -> str:
+        """The last operation as inline SVG, one picture per manager event it caused (an
+        append that copies a shared block shows the copy, then the append): block tables,
+        the pool with each block's users, what the event touched."""
+        snaps = self.snapshots()
+        colors, new = seq_colors(snaps), len(self.mgr.events) - self._shown_from
+        return "".join(scroll_box(block_svg(snap, colors=colors), "pagedlab-playground")
+                       for snap in snaps[-max(new, 1):])
+
+    def log_html(self) -> str:
+        lines = [escape(line) for line in self.log[-12:]] or ["(nothing yet)"]
+        return ("<pre style='margin:0.3em 0;white-space:pre-wrap'>"
+                + "\n".join(lines) + "</pre>")
+
+    def panel(self, inputs, actions):
+        """ipywidgets 8 controls: a row of ``inputs``, a button for each of ``actions``
+        (label, tooltip, operation, the inputs it reads) and one to reset, four to a row, the
+        pictures and the log."""
+        import ipywidgets as w
+
+        picture, log = w.HTML(self.picture()), w.HTML(self.log_html())
+
+        def refresh(*_):
+            picture.value, log.value = self.picture(), self.log_html()
+
+        def press(operation, fields):
+            return lambda _: (self.do(operation, *(f.value for f in fields)), refresh())
+
+        buttons = []
+        for label, tip, operation, fields in actions:
+            buttons.append(w.Button(description=label, tooltip=tip, layout=w.Layout(width="auto")))
+            buttons[-1].on_click(press(operation, fields))
+        buttons.append(w.Button(description="reset", tooltip="start again",
+                                layout=w.Layout(width="auto")))
+        buttons[-1].on_click(lambda _: (self.reset(), refresh()))
+        rows = [w.HBox(buttons[i:i + 4]) for i in range(0, len(buttons), 4)]
+        return w.VBox([w.HBox(inputs), *rows, picture, log])
+
+    def widget(self):
+        raise NotImplementedError
+
+    def _repr_mimebundle_(self, include=None, exclude=None):
+        """Live in a kernel's front end (the widget); a player of what was done where no kernel
+        runs (the HTML book prefers text/html); its text summary in a terminal or nbval."""
+        note = ("<p><i>The live playground runs in Jupyter or Colab (the launch button above); "
+                "here, a replay of its operations.</i></p>")
+        bundle = self.widget()._repr_mimebundle_()
+        bundle.update({"text/plain": repr(self),
+                       "text/html": note + BlockPlayer(self.snapshots())._repr_html_()})
+        return bundle
+
+    def __repr__(self) -> str:
+        log = "\n".join(self.log) or "(nothing yet)"
+        return f"{log}\n{self.snapshots()[-1].summary()}"
+
+
+class KVPlayground(Live):
     """A live manager of ``num_blocks`` GPU blocks of ``block_size`` tokens (``num_cpu_blocks``
     to swap into), with prefix caching unless ``prefix_caching=False``, and its log."""
+
+    OPERATIONS = ("allocate", "allocate_shared", "append", "fork", "free", "preempt", "resume")
 
     def __init__(self, num_blocks: int = 12, block_size: int = 4, num_cpu_blocks: int = 8,
                  prefix_caching: bool = True):
@@ -44,15 +144,7 @@ class KVPlayground:
         c = self.config
         self.mgr = KVCacheManager(c["num_blocks"], c["block_size"], c["num_cpu_blocks"],
                                   c["prefix_caching"], record_events=True)
-        self.log: list[str] = []
-        self._shown_from = 0  # the first manager event of the last operation that ran
-        self._fresh = 1000  # token ids no prompt has used: a prompt shares only what it means to
-
-    def _tokens(self, n: int) -> list[int]:
-        self._fresh += n
-        return list(range(self._fresh - n, self._fresh))
-
-    # --- the operations, each one manager call ----------------------------------------------
+        super().reset()
 
     def allocate(self, seq_id: Hashable, num_tokens: int) -> str:
         self.mgr.allocate(seq_id, self._tokens(num_tokens))
@@ -87,94 +179,98 @@ class KVPlayground:
         self.mgr.swap_in(seq_id)
         return f"resume {seq_id}: swapped back into GPU blocks"
 
-    def do(self, operation: str, *args) -> bool:
-        """Run one operation; log it, or the manager's refusal. True if it ran. A refused
-        operation leaves the manager as it was (the manager's own guarantee, checked here)."""
-        if operation not in OPERATIONS:
-            raise ValueError(f"unknown operation {operation!r}; one of {', '.join(OPERATIONS)}")
-        before = len(self.mgr.events)
-        try:
-            self.log.append(getattr(self, operation)(*args))
-            self._shown_from = before
-        except REFUSALS as refusal:
-            if len(self.mgr.events) != before:
-                raise InvariantError(f"{operation}{args}: refused after changing the manager")
-            self.log.append(f"refused: {operation} {' '.join(map(str, args))}: {refusal}")
-            return False
-        self.mgr.commit()  # the step "ran": its blocks may be hit by the next prompt
-        self.mgr.check_invariants()
-        return True
-
-    # --- what the reader sees ---------------------------------------------------------------
-
-    def snapshots(self) -> list[Snapshot]:
-        return history(self.mgr)
-
-    def picture(self) -> str:
-        """The last operation as inline SVG, one picture per manager event it caused (an
-        append that copies a shared block shows the copy, then the append): block tables,
-        the pool with each block's users, what the event touched."""
-        snaps = self.snapshots()
-        colors = seq_colors(snaps)
-        shown = snaps[-(len(self.mgr.events) - self._shown_from):] if (
-            len(self.mgr.events) > self._shown_from) else snaps[-1:]
-        return "".join(scroll_box(block_svg(snap, colors=colors), "pagedlab-playground")
-                       for snap in shown)
-
-    def log_html(self) -> str:
-        lines = [escape(line) for line in self.log[-12:]] or ["(nothing yet)"]
-        return ("<pre style='margin:0.3em 0;white-space:pre-wrap'>"
-                + "\n".join(lines) + "</pre>")
-
     def widget(self):
-        """The live playground: ipywidgets 8 controls over this manager."""
+        """The live playground: controls over this manager."""
         import ipywidgets as w
 
         seq = w.Text(value="A", description="sequence", layout=w.Layout(width="14em"))
         child = w.Text(value="B", description="fork into", layout=w.Layout(width="14em"))
         tokens = w.BoundedIntText(value=6, min=1, max=256, description="tokens",
                                   layout=w.Layout(width="12em"))
-        picture, log = w.HTML(self.picture()), w.HTML(self.log_html())
+        return self.panel([seq, child, tokens], [
+            ("allocate", "a new prompt of `tokens` tokens", "allocate", [seq, tokens]),
+            ("allocate, shared prompt", "a prompt that starts with the shared 8 tokens",
+             "allocate_shared", [seq, tokens]),
+            ("append", "`tokens` decoded tokens", "append", [seq, tokens]),
+            ("fork", "a child sharing every block", "fork", [seq, child]),
+            ("free", "give the blocks back", "free", [seq]),
+            ("preempt (swap out)", "move the blocks to CPU memory", "preempt", [seq]),
+            ("resume (swap in)", "bring them back to GPU blocks", "resume", [seq])])
 
-        def refresh():
-            picture.value, log.value = self.picture(), self.log_html()
 
-        def button(label, tip, operation, *fields):
-            b = w.Button(description=label, tooltip=tip, layout=w.Layout(width="auto"))
-            b.on_click(lambda _: (self.do(operation, *(f.value for f in fields)), refresh()))
-            return b
+class SchedulerPlayground(Live):
+    """The engine's own scheduler over ``num_blocks`` blocks of ``block_size`` tokens, a token
+    budget of ``max_num_batched_tokens`` a step and ``preemption_mode``; every sequence
+    samples a placeholder token, so no model runs."""
 
-        def restart(_):
-            self.reset()
-            refresh()
+    OPERATIONS = ("add", "step")
 
-        reset = w.Button(description="reset", tooltip="an empty pool",
-                         layout=w.Layout(width="auto"))
-        reset.on_click(restart)
-        buttons = [
-            button("allocate", "a new prompt of `tokens` tokens", "allocate", seq, tokens),
-            button("allocate, shared prompt", "a prompt that starts with the shared 8 tokens",
-                   "allocate_shared", seq, tokens),
-            button("append", "`tokens` decoded tokens", "append", seq, tokens),
-            button("fork", "a child sharing every block", "fork", seq, child),
-            button("free", "give the blocks back", "free", seq),
-            button("preempt (swap out)", "move the blocks to CPU memory", "preempt", seq),
-            button("resume (swap in)", "bring them back to GPU blocks", "resume", seq),
-            reset]
-        return w.VBox([w.HBox([seq, child, tokens]), w.HBox(buttons[:4]), w.HBox(buttons[4:]),
-                       picture, log])
+    def __init__(self, num_blocks: int = 10, block_size: int = 4, num_cpu_blocks: int = 8,
+                 max_num_batched_tokens: int = 12, preemption_mode: str = "recompute"):
+        self.config = dict(num_blocks=num_blocks, block_size=block_size,
+                           num_cpu_blocks=num_cpu_blocks, preemption_mode=preemption_mode,
+                           max_num_batched_tokens=max_num_batched_tokens)
+        self.reset()
 
-    def _repr_mimebundle_(self, include=None, exclude=None):
-        """Live in a kernel's front end (the widget); a player of what was done where no kernel
-        runs (the HTML book prefers text/html); its text summary in a terminal or nbval."""
-        note = ("<p><i>The live playground runs in Jupyter or Colab (the launch button above); "
-                "here, a replay of its operations.</i></p>")
-        bundle = {"text/plain": repr(self),
-                  "text/html": note + BlockPlayer(self.snapshots())._repr_html_()}
-        bundle.update(self.widget()._repr_mimebundle_())
-        bundle["text/plain"] = repr(self)
-        return bundle
+    def reset(self) -> None:
+        c = self.config
+        self.mgr = KVCacheManager(c["num_blocks"], c["block_size"], c["num_cpu_blocks"],
+                                  record_events=True)
+        self.scheduler = Scheduler(self.mgr, SchedulerConfig(
+            max_num_batched_tokens=c["max_num_batched_tokens"],
+            max_num_seqs=min(8, c["max_num_batched_tokens"]),
+            preemption_mode=c["preemption_mode"], watermark=0.0))
+        self.num_steps = 0
+        super().reset()
 
-    def __repr__(self) -> str:
-        log = "\n".join(self.log) or "(nothing yet)"
-        return f"{log}\n{self.snapshots()[-1].summary()}"
+    def add(self, request_id: str, prompt_tokens: int, max_tokens: int) -> str:
+        """Queue a request of ``prompt_tokens`` that will decode ``max_tokens``."""
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        self.scheduler.add_request(request_id, self._tokens(prompt_tokens), params)
+        return f"add {request_id}: {prompt_tokens} prompt tokens, {max_tokens} to decode"
+
+    def step(self) -> str:
+        """One engine step: the scheduler's batch, run with placeholder tokens."""
+        if not self.scheduler.has_unfinished:
+            raise StateError("nothing to run: add a request first")
+        names = {s.seq_id: g.request_id for g in self.scheduler.unfinished.values()
+                 for s in g.seqs}
+        step, _, finished = run_step(self.scheduler, Placeholders(7))
+        self.num_steps += 1
+        return describe_step(self.num_steps, step, finished, names, self.scheduler,
+                             self.config["max_num_batched_tokens"])
+
+    def widget(self):
+        """The live playground: queue requests and step the scheduler."""
+        import ipywidgets as w
+
+        rid = w.Text(value="A", description="request", layout=w.Layout(width="14em"))
+        prompt = w.BoundedIntText(value=8, min=1, max=256, description="prompt",
+                                  layout=w.Layout(width="12em"))
+        out = w.BoundedIntText(value=4, min=1, max=256, description="decode",
+                               layout=w.Layout(width="12em"))
+        return self.panel([rid, prompt, out], [
+            ("add request", "queue a request: `prompt` tokens, then `decode` more", "add",
+             [rid, prompt, out]),
+            ("step", "one engine step: the scheduler's batch", "step", [])])
+
+
+def describe_step(number, step, finished, names, scheduler, budget) -> str:
+    """A step as text: the chunks it ran against the token budget, who was preempted and how,
+    the blocks that moved, who finished, and the queues after it."""
+    def who(chunks):
+        return ", ".join(f"{names[c.seq.seq_id]} ({c.num_tokens})" for c in chunks) or "none"
+
+    used = sum(c.num_tokens for c in (*step.prefills, *step.decodes))
+    lines = [f"step {number}: {used} of {budget} budget tokens; decodes {who(step.decodes)};"
+             f" prefill chunks {who(step.prefills)}"]
+    for group, mode in step.preempted:
+        lines.append(f"  preempted {group.request_id} by {mode}")
+    if step.swap_out or step.swap_in:
+        lines.append(f"  blocks swapped out {step.swap_out}, in {step.swap_in}")
+    if finished:
+        lines.append(f"  finished {', '.join(g.request_id for g in finished)}")
+    queues = {name: [g.request_id for g in getattr(scheduler, name)]
+              for name in ("running", "waiting", "swapped")}
+    lines.append("  " + "; ".join(f"{k}: {' '.join(v) or '-'}" for k, v in queues.items()))
+    return "\n".join(lines)
