@@ -151,6 +151,7 @@ def test_kernels_say_what_is_missing_and_name_their_reference():
     report = python_json("""
         import importlib, json
         import pagedlab.kernels as kernels
+        assert callable(kernels.mla_reference.mla_decode)  # a module, found as an attribute
         from pagedlab import LLM
         from pagedlab.model import ModelArgs, PagedLlama
         errors = {}
@@ -190,6 +191,7 @@ def test_kernels_package_still_exports_the_triton_kernels():
         import json
         from importlib import import_module
         from pagedlab import kernels
+        assert callable(kernels.two_pass.paged_attention_two_pass)  # as when all were imported
         from pagedlab.kernels import paged_attention
         assert paged_attention is kernels.decode.paged_attention
         print(json.dumps({name: getattr(kernels, name) is getattr(
