@@ -11,6 +11,7 @@ Each kernel is imported on first use, so that the references import where Triton
 (macOS, Windows); there, asking for a kernel raises an ImportError that names its reference.
 """
 
+import pkgutil
 from importlib import import_module
 
 from pagedlab.device import require_triton
@@ -31,10 +32,15 @@ _KERNELS = {
 }
 
 __all__ = list(_KERNELS)
+_MODULES = {module.name for module in pkgutil.iter_modules(__path__)}
 
 
 def __getattr__(name):
-    """A kernel, imported on first use: importing this package must not need Triton."""
+    """A kernel, or a module of this package (``pagedlab.kernels.reference`` after ``import
+    pagedlab.kernels``, as when the package imported every kernel), imported on first use:
+    importing this package must not need Triton."""
+    if name in _MODULES:
+        return import_module(f"{__name__}.{name}")
     if name not in _KERNELS:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     module, reference = _KERNELS[name]
