@@ -17,7 +17,8 @@ at once, only attention tells the sequences apart.
 ``kernels`` picks the implementation of the cache operations: ``"triton"``
 (:mod:`pagedlab.kernels`) or ``"reference"`` (:mod:`pagedlab.kernels.reference`, plain torch,
 much faster on a CPU, where Triton runs through its interpreter). The default follows the
-weights: Triton for a model on CUDA, the reference for one on a CPU.
+weights: Triton for a model on CUDA, the reference for one on a CPU or Apple's GPU (MPS), and
+the reference wherever Triton cannot be imported (macOS, Windows).
 
 Given a ``kv_scale``, the caches are fp8 (e4m3, chapter 11): writes quantise with
 ``reshape_and_cache_fp8``, decodes read fp8 with ``paged_attention_fp8`` (from
@@ -37,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pagedlab.device import DEVICE, HAS_CUDA
+from pagedlab.device import DEVICE, has_triton, require_triton
 from pagedlab.footprint import ModelConfig
 from pagedlab.kernels.fp8_reference import FP8, dequantize
 from pagedlab.kernels.reference import gather_kv
@@ -57,6 +58,7 @@ __all__ = [
     "PagedLlama",
     "Prefill",
     "UnsupportedModel",
+    "default_kernels",
     "from_hf",
     "from_pretrained",
     "load_kernels",
@@ -163,12 +165,19 @@ def _rope_theta(config: dict) -> float:
     return float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
 
 
+def default_kernels(device) -> str:
+    """``"triton"`` for weights on CUDA where Triton imports, else ``"reference"``."""
+    return "triton" if torch.device(device).type == "cuda" and has_triton() else "reference"
+
+
 def load_kernels(kernels: str | None) -> tuple[str, ModuleType]:
-    """(name, module) of the cache operations ``kernels`` names; None: Triton on CUDA, else the
-    reference."""
-    name = kernels or ("triton" if HAS_CUDA else "reference")
+    """(name, module) of the cache operations ``kernels`` names; None: the default for
+    :data:`~pagedlab.device.DEVICE`."""
+    name = kernels or default_kernels(DEVICE)
     if name not in KERNELS:
         raise ValueError(f"kernels={kernels!r} must be one of {', '.join(KERNELS)}")
+    if name == "triton":
+        require_triton("kernels='triton'", "kernels='reference' (the default without Triton)")
     return name, importlib.import_module(KERNELS[name])
 
 
@@ -472,7 +481,7 @@ class PagedLlama(nn.Module):
 
 def _build(config: dict, state_dict: dict, kernels, dtype, device) -> PagedLlama:
     args = ModelArgs.from_hf_config(config)
-    kernels = kernels or ("triton" if torch.device(device).type == "cuda" else "reference")
+    kernels = kernels or default_kernels(device)
     with torch.device("meta"):
         model = PagedLlama(args, kernels=kernels)
     # assign=True adopts the given tensors (no copy); a tied lm_head is re-tied afterwards.

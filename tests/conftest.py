@@ -1,8 +1,18 @@
-"""Shared test configuration: GPU-marked tests run only where CUDA is present; on a CPU torch
-runs on one thread."""
+"""Shared test configuration: GPU-marked tests run only where CUDA is present, MPS-marked ones
+only on Apple's GPU; on a CPU torch runs on one thread. ``PAGEDLAB_BLOCK_TRITON=1`` makes Triton
+unimportable first (``tools/no_triton.py``), as on macOS and Windows."""
 
-import pytest
-import torch
+import importlib.util
+from pathlib import Path
+
+_spec = importlib.util.spec_from_file_location(
+    "no_triton", Path(__file__).resolve().parents[1] / "tools" / "no_triton.py")
+no_triton = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(no_triton)
+no_triton.block_if_asked()  # before torch, pagedlab or transformers could import Triton
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     # Two OpenMP threads on two cores that other programs share spin while they wait for each
@@ -12,9 +22,9 @@ if not torch.cuda.is_available():
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
+    needs = {"gpu": (torch.cuda.is_available(), "needs a CUDA device"),
+               "mps": (torch.backends.mps.is_available(), "needs Apple's GPU (MPS)")}
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        for marker, (available, reason) in needs.items():
+            if marker in item.keywords and not available:
+                item.add_marker(pytest.mark.skip(reason=reason))

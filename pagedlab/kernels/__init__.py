@@ -6,25 +6,44 @@ the spec the kernels are tested against. Arguments are checked before any launch
 (``pagedlab.kernels.validate``). Chapter 11's kernels (a two-pass decode, an fp8 cache, MLA over
 a latent cache) have their specs in ``fp8_reference`` and ``mla_reference``; the mixed-batch
 (prefill chunks and decodes) ``paged_attention_varlen`` has its spec in ``varlen_reference``.
+
+Each kernel is imported on first use, so that the references import where Triton does not
+(macOS, Windows); there, asking for a kernel raises an ImportError that names its reference.
 """
 
-from pagedlab.kernels.cache_ops import copy_blocks, reshape_and_cache, swap_blocks
-from pagedlab.kernels.decode import paged_attention
-from pagedlab.kernels.fp8 import paged_attention_fp8, reshape_and_cache_fp8
-from pagedlab.kernels.mla import cache_latent, mla_attention, mla_decode
-from pagedlab.kernels.two_pass import paged_attention_two_pass
-from pagedlab.kernels.varlen import paged_attention_varlen
+import pkgutil
+from importlib import import_module
 
-__all__ = [
-    "paged_attention",
-    "paged_attention_varlen",
-    "reshape_and_cache",
-    "copy_blocks",
-    "swap_blocks",
-    "paged_attention_two_pass",
-    "paged_attention_fp8",
-    "reshape_and_cache_fp8",
-    "cache_latent",
-    "mla_decode",
-    "mla_attention",
-]
+from pagedlab.device import require_triton
+
+# Each kernel -> (the module that defines it, its torch reference)
+_KERNELS = {
+    "paged_attention": ("decode", "reference.paged_attention"),
+    "paged_attention_varlen": ("varlen", "varlen_reference.paged_attention_varlen"),
+    "reshape_and_cache": ("cache_ops", "reference.reshape_and_cache"),
+    "copy_blocks": ("cache_ops", "reference.copy_blocks"),
+    "swap_blocks": ("cache_ops", "reference.swap_blocks"),
+    "paged_attention_two_pass": ("two_pass", "reference.paged_attention"),
+    "paged_attention_fp8": ("fp8", "fp8_reference.paged_attention_fp8"),
+    "reshape_and_cache_fp8": ("fp8", "fp8_reference.reshape_and_cache_fp8"),
+    "cache_latent": ("mla", "mla_reference.cache_latent"),
+    "mla_decode": ("mla", "mla_reference.mla_decode"),
+    "mla_attention": ("mla", "mla_reference.mla_attention"),
+}
+
+__all__ = list(_KERNELS)
+_MODULES = {module.name for module in pkgutil.iter_modules(__path__)}
+
+
+def __getattr__(name):
+    """A kernel, or a module of this package (``pagedlab.kernels.reference`` after ``import
+    pagedlab.kernels``, as when the package imported every kernel), imported on first use:
+    importing this package must not need Triton."""
+    if name in _MODULES:
+        return import_module(f"{__name__}.{name}")
+    if name not in _KERNELS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, reference = _KERNELS[name]
+    require_triton(f"{__name__}.{name}", f"{__name__}.{reference}")
+    globals()[name] = getattr(import_module(f"{__name__}.{module}"), name)
+    return globals()[name]
