@@ -28,7 +28,9 @@ CODE = re.compile(r"`[^`\n]+`")
 LINK = re.compile(r"\[([^\]]*)\]\([^)]*\)")
 # Abbreviations whose full stop ends no sentence.
 ABBREVIATIONS = re.compile(r"\b(e\.g|i\.e|et al|Fig|Figs|Eq|Sec|vs|cf|etc|No|approx)\.", re.I)
-SENTENCE_END = re.compile(r"(?<=[.!?])[)\"'*_]*\s+(?=[(\"'*_]*[A-Z0-9\u00a7$`{\[])")
+# A full stop, ? or ! then a space ends a sentence, whatever the next word (vLLM, pagedlab and
+# e4m3 start with a small letter); the abbreviations above are protected first.
+SENTENCE_END = re.compile(r"(?<=[.!?])[)\"'*_]*\s+(?=\S)")
 NUMBER = re.compile(r"(?<![\w.])[-+]?\d[\d,]*(?:\.\d+)?%?(?!\w|\.\d)|\u00a7GLUE\u00a7")
 
 
