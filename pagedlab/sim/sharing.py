@@ -90,7 +90,7 @@ def play_beam_search(mgr, seq, prompt, width, steps, rng, share=True, vocab=50,
         survivors = sorted(candidates, reverse=True)[:width]
         parents = {beam for _, beam, _ in survivors}
         for beam in [b for b in beams if b not in parents]:
-            mgr.free(beam)  # first, so no copy is made for a block about to be released
+            mgr.free(beam)  # first: the step's peak never counts a block about to be released
         plan, continued = [], set()
         for score, parent, token in survivors:
             child = parent
