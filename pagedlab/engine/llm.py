@@ -257,6 +257,9 @@ class LLM:
             generators = params.generators(self.model.device)
             if params.stop and self.tokenizer is None:
                 raise InvalidPrompt(f"request {request_id!r}: stop strings need a tokenizer")
+            if params.adjusts_logits and self.config.speculative_config is not None:
+                raise ValueError(f"request {request_id!r}: logit_bias and penalties are not "
+                                 "supported with speculative decoding")
             check = stop_string_check(params.stop, self.tokenizer)
         else:
             generators = ()
