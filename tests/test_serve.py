@@ -3,6 +3,7 @@ text as the engine offline, streamed or whole, for completions and chat; OpenAI'
 with HTTP 400 for bad input while others are served; 24 concurrent streams and a client that
 disconnects, with no block leaked."""
 
+import contextlib
 import json
 import socket
 import threading
@@ -19,38 +20,57 @@ import uvicorn  # noqa: E402
 
 from pagedlab import LLM, SamplingParams  # noqa: E402
 from pagedlab.checkpoints import ModelNotInstalled, smollm2  # noqa: E402
-from pagedlab.serve import build_app  # noqa: E402
+from pagedlab.serve import Server, build_app, parser  # noqa: E402
 
 NAME = "tiny"
+MAX_MODEL_LEN = 256
 
 
-@pytest.fixture(scope="module")
-def server():
-    """A tiny random model over SmolLM2's tokenizer (and chat template), served on a free
-    port from a thread; yields (base url, the engine's LLM, a reference LLM)."""
-    tokenizer, model = tiny_over_smollm2_tokenizer()
-    llm = LLM(model, tokenizer=tokenizer, block_size=4, num_gpu_blocks=512, max_num_seqs=16,
-              max_model_len=256)
-    reference = LLM(model, tokenizer=tokenizer, block_size=4, num_gpu_blocks=512)
-    abort, llm.aborted = llm.abort_request, []
-
-    def recorded_abort(request_id):  # what the disconnect test reads
-        llm.aborted.append(request_id)
-        abort(request_id)
-
-    llm.abort_request = recorded_abort
+@contextlib.contextmanager
+def serving(app, shutdown_timeout=0.0):
+    """``app`` served by pagedlab's uvicorn server on a free loopback port from a thread;
+    yields (base url, the server, its thread); stops it after."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(build_app(llm, NAME), log_level="warning"))
+    server = Server(uvicorn.Config(app, log_level="warning"), shutdown_timeout)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
     while not server.started:
         assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
         time.sleep(0.05)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}", llm, reference
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}", server, thread
     server.should_exit = True
     thread.join(timeout=30)
+
+
+def tiny_llm(model, tokenizer, **kwargs):
+    return LLM(model, tokenizer=tokenizer, block_size=4, num_gpu_blocks=512, max_num_seqs=16,
+               max_model_len=MAX_MODEL_LEN, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_over_smollm2_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    """A tiny random model over SmolLM2's tokenizer (and chat template), served on a free
+    port from a thread; yields (base url, the engine's LLM, a reference LLM)."""
+    tokenizer, model = tiny
+    llm = tiny_llm(model, tokenizer)
+    reference = LLM(model, tokenizer=tokenizer, block_size=4, num_gpu_blocks=512)
+    abort, llm.aborted = llm.abort_request, []
+
+    def recorded_abort(request_id):  # what the disconnect tests read
+        llm.aborted.append(request_id)
+        abort(request_id)
+
+    llm.abort_request = recorded_abort
+    with serving(build_app(llm, NAME)) as (url, _, thread):
+        llm.server_thread = thread
+        yield url, llm, reference
 
 
 def client(url):
@@ -162,33 +182,66 @@ def test_chat_logprobs_are_the_engine_s_with_the_top_k_in_order(server):
     assert idle(llm) == 0
 
 
-@pytest.mark.parametrize("path, body, field", [
-    ("completions", "{not json", None),
-    ("completions", {"model": "gpt-4", "prompt": "hi"}, "model"),
-    ("completions", {"model": NAME, "prompt": "hi", "max_tokens": 0}, None),
-    ("completions", {"model": NAME, "prompt": "hi", "n": 17}, "n"),
-    ("completions", {"model": NAME, "prompt": "word " * 300}, None),
-    ("completions", {"model": NAME}, "prompt"),
-    ("chat/completions", {"model": NAME, "messages": [{"role": "wizard", "content": "hi"}]},
-     None),
-    ("completions", {"model": NAME, "prompt": "hi", "logprobs": 21}, "logprobs"),
-    ("completions", {"model": NAME, "prompt": "hi", "logprobs": -1}, "logprobs"),
-    ("chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}],
-                          "top_logprobs": 2}, "top_logprobs"),
-    ("chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}],
-                          "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ("chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}],
-                          "logprobs": 3}, "logprobs"),
+HI = [{"role": "user", "content": "hi"}]
+NESTED = '{"model": "tiny", "prompt": ' + "[" * 100_000 + "]" * 100_000 + "}"
+
+
+@pytest.mark.parametrize("path, body, field, status", [
+    # (the review's row, where it has one) what OpenAI or vLLM answer
+    ("completions", "{not json", None, 400),  # 27
+    ("completions", NESTED, None, 400),  # 28: not a plain-text 500
+    ("completions", {"model": "gpt-4", "prompt": "hi"}, "model", 404),  # 21: NotFoundError
+    ("completions", {"prompt": "hi", "max_tokens": "5"}, "max_tokens", 400),  # 31
+    ("completions", {"prompt": "hi", "n": 2.5}, "n", 400),  # 33
+    ("completions", {"prompt": "hi", "stop": 5}, "stop", 400),  # 34
+    ("completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens", 400),  # 37
+    ("completions", {"prompt": "hi", "temperature": float("nan")}, "temperature", 400),  # 39
+    ("completions", {"prompt": "hi", "top_k": 2**64}, "top_k", 400),  # 41
+    ("completions", {"prompt": "hi", "top_k": 10**6}, "top_k", 400),
+    ("completions", {"prompt": "hi", "seed": -1}, "seed", 400),  # 42
+    ("completions", {"prompt": ""}, "prompt", 400),  # 43
+    ("completions", {"prompt": "\ud800"}, "prompt", 400),  # 47
+    ("chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]}, "messages",
+     400),  # 48
+    ("completions", {"prompt": [99999999]}, "prompt", 400),  # 49
+    ("completions", {"prompt": "hi", "n": 17}, "n", 400),  # 52: over max_num_seqs
+    ("chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages",
+     400),  # 57
+    ("chat/completions", {"messages": [{"role": "user"}]}, "messages", 400),  # 58
+    ("completions", {"prompt": "hi", "stream_options": {"include_usage": True}},
+     "stream_options", 400),  # 59
+    ("completions", {"prompt": "hi", "max_tokens": 10**9}, "max_tokens", 400),  # 60
+    ("completions", {"prompt": [5] * 200, "max_tokens": 64}, "max_tokens", 400),  # 65
+    ("chat/completions", {"messages": HI, "max_completion_tokens": 300},
+     "max_completion_tokens", 400),
+    ("completions", {"prompt": "word " * 300}, "prompt", 400),  # 46
+    ("completions", {"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias", 400),
+    ("completions", {"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias", 400),
+    ("completions", {"prompt": "hi", "presence_penalty": 3}, "presence_penalty", 400),
+    ("completions", {"prompt": "hi", "suffix": "!"}, "suffix", 400),
+    ("completions", {"prompt": "hi", "best_of": 3}, "best_of", 400),
+    ("completions", {"prompt": "hi", "echo": True, "logprobs": 1}, "echo", 400),
+    ("chat/completions", {"messages": HI, "tools": [{"type": "function"}]}, "tools", 400),
+    ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages", 400),
+    ("completions", {}, "prompt", 400),
+    ("completions", {"prompt": "hi", "logprobs": 21}, "logprobs", 400),
+    ("completions", {"prompt": "hi", "logprobs": -1}, "logprobs", 400),
+    ("chat/completions", {"messages": HI, "top_logprobs": 2}, "top_logprobs", 400),
+    ("chat/completions", {"messages": HI, "logprobs": True, "top_logprobs": 21},
+     "top_logprobs", 400),
+    ("chat/completions", {"messages": HI, "logprobs": 3}, "logprobs", 400),
 ])
-def test_bad_input_gets_openai_s_error_and_the_server_serves_on(server, path, body, field):
+def test_bad_input_gets_openai_s_error_naming_the_field_and_the_server_serves_on(
+        server, path, body, field, status):
     url, llm, _ = server
     content = body if isinstance(body, str) else json.dumps(body)
     reply = httpx.post(f"{url}/v1/{path}", content=content,
                        headers={"content-type": "application/json"}, timeout=60)
-    assert reply.status_code == 400, reply.text
+    assert reply.status_code == status, reply.text
     error = reply.json()["error"]
-    assert error["type"] == "invalid_request_error" and error["message"]
-    assert error["param"] == field
+    assert error["message"] and error["param"] == field and error["code"] == status
+    assert error["type"] == ("NotFoundError" if status == 404 else "invalid_request_error")
     ok = client(url).completions.create(model=NAME, prompt="hello", **GREEDY)
     assert ok.usage.completion_tokens == 12
     assert idle(llm) == 0

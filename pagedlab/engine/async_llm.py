@@ -77,12 +77,6 @@ class AsyncLLM:
             self._aborted.add(request_id)
         self._wake.set()
 
-    async def drain(self, timeout: float) -> None:
-        """Wait until no request is left, for at most ``timeout`` seconds."""
-        deadline = asyncio.get_running_loop().time() + timeout
-        while self._queues and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(0.05)
-
     async def shutdown(self) -> None:
         """Stop the background task once its step in flight is done (a step runs in a thread
         that cannot be cancelled); requests still running are aborted. Idempotent."""
@@ -91,6 +85,11 @@ class AsyncLLM:
         await self._loop_task
         for request_id in list(self.llm.scheduler.unfinished):
             self.llm.abort_request(request_id)
+
+    @property
+    def num_requests(self) -> int:
+        """Requests whose consumers are still reading (a server drains until there are none)."""
+        return len(self._queues)
 
     @property
     def num_running(self) -> int:
