@@ -344,3 +344,202 @@ def test_metrics_count_what_was_served_under_vllm_s_names(server):
         "vllm:inter_token_latency_seconds_count"] == 2 * 11  # 12 tokens, 11 gaps each
     assert after["vllm:num_requests_running"] == 0 and after["vllm:kv_cache_usage_perc"] == 0
     assert after["vllm:num_preemptions_total"] >= 0 and "vllm:prefix_cache_hits_total" in after
+
+
+def sse_lines(url, body, started=None, headers=None):
+    """The data lines of a streamed request, read to the end; ``started`` set at the first."""
+    lines = []
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120,
+                      headers=headers) as reply:
+        for line in reply.iter_lines():
+            if line.startswith("data:"):
+                lines.append(line[len("data:"):].strip())
+                if started is not None:
+                    started.set()
+    return lines
+
+
+def streamed_text(lines):
+    return "".join(json.loads(line)["choices"][0]["text"] for line in lines[:-1]
+                   if json.loads(line).get("choices"))
+
+
+def test_a_bad_request_sent_while_others_run_fails_alone(server):
+    """The review's row 75: top_k=2**64 crashed the step that two other requests shared. It is
+    refused before the engine now, and a stream and a whole request beside it are unchanged."""
+    url, llm, reference = server
+    body = {"model": NAME, "prompt": "a story:", "max_tokens": 40, "temperature": 0,
+            "ignore_eos": True}
+    (want,) = reference.generate("a story:", SamplingParams(temperature=0, max_tokens=40,
+                                                             ignore_eos=True), use_tqdm=False)
+    started = threading.Event()
+    with ThreadPoolExecutor(2) as pool:
+        stream = pool.submit(sse_lines, url, {**body, "stream": True}, started)
+        whole = pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=120)
+        assert started.wait(60)
+        attack = httpx.post(f"{url}/v1/completions", timeout=60, json={
+            "model": NAME, "prompt": "x", "top_k": 2**64, "temperature": 1.0})
+        lines, whole = stream.result(), whole.result()
+    assert attack.status_code == 400 and attack.json()["error"]["param"] == "top_k"
+    assert lines[-1] == "[DONE]" and streamed_text(lines) == want.outputs[0].text
+    assert whole.status_code == 200
+    assert whole.json()["choices"][0]["text"] == want.outputs[0].text
+    assert idle(llm) == 0
+
+
+def test_the_api_as_openai_s_clients_use_it(server):
+    """The review's rows 19 to 26: max_completion_tokens; chat with no limit runs to its end
+    (EOS or the context); a list of prompts; content as text parts; echo; logit_bias; and the
+    penalties, each as the engine computes them offline."""
+    url, llm, reference = server
+    openai_client = client(url)
+    chat = openai_client.chat.completions.create
+    five = chat(model=NAME, messages=HI, max_completion_tokens=5, temperature=0,
+                extra_body={"ignore_eos": True})
+    assert five.usage.completion_tokens == 5 and five.choices[0].finish_reason == "length"
+    free = chat(model=NAME, messages=HI, temperature=0)
+    assert free.choices[0].finish_reason == "stop" or (
+        free.usage.total_tokens == MAX_MODEL_LEN and free.usage.completion_tokens > 16)
+    parts = chat(model=NAME, messages=[{"role": "user", "content": [
+        {"type": "text", "text": "Name three"}, {"type": "text", "text": "colors."}]}],
+        **GREEDY)
+    joined = chat(model=NAME, messages=[{"role": "user", "content": "Name three\ncolors."}],
+                  **GREEDY)
+    assert parts.choices[0].message.content == joined.choices[0].message.content
+
+    prompts = ["The capital of France is", "Once upon a time"]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = [o.outputs[0].text for o in reference.generate(prompts, params, use_tqdm=False)]
+    batch = openai_client.completions.create(model=NAME, prompt=prompts, **GREEDY)
+    assert [c.index for c in batch.choices] == [0, 1]
+    assert [c.text for c in batch.choices] == want and batch.usage.completion_tokens == 24
+    streamed = {}
+    for chunk in openai_client.completions.create(model=NAME, prompt=prompts, stream=True,
+                                                  **GREEDY):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert streamed == {0: want[0], 1: want[1]}
+    echo = openai_client.completions.create(model=NAME, prompt=prompts[0], echo=True, **GREEDY)
+    assert echo.choices[0].text == prompts[0] + want[0]
+
+    eos = llm.tokenizer.eos_token_id  # the tiny model has none of its own: a stop token
+    biased = openai_client.completions.create(
+        model=NAME, prompt=prompts[0], max_tokens=12, temperature=0,
+        logit_bias={str(eos): 100}, extra_body={"stop_token_ids": [eos]})
+    assert biased.choices[0].finish_reason == "stop" and biased.usage.completion_tokens == 1
+    penalties = dict(presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.3)
+    (offline,) = reference.generate(prompts[1], SamplingParams(
+        temperature=0, max_tokens=24, ignore_eos=True, **penalties), use_tqdm=False)
+    online = openai_client.completions.create(
+        model=NAME, prompt=prompts[1], temperature=0, max_tokens=24,
+        presence_penalty=1.5, frequency_penalty=0.5,
+        extra_body={"ignore_eos": True, "repetition_penalty": 1.3})
+    assert online.choices[0].text == offline.outputs[0].text
+    assert idle(llm) == 0
+
+
+def test_an_unknown_model_is_openai_s_not_found(server):
+    url, llm, _ = server
+    with pytest.raises(openai.NotFoundError):
+        client(url).completions.create(model="no-such-model", prompt="hi", max_tokens=2)
+
+
+def test_a_non_streamed_request_is_aborted_when_its_client_leaves(server):
+    """The review's row 72: the request ran all its tokens after its client had gone."""
+    url, llm, _ = server
+    before = len(llm.aborted)
+    body = json.dumps({"model": NAME, "prompt": "a long story:", "max_tokens": 200,
+                       "temperature": 0, "ignore_eos": True}).encode()
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        deadline = time.monotonic() + 60
+        while not llm.has_unfinished_requests():  # the request is running
+            assert time.monotonic() < deadline, "the request never started"
+            time.sleep(0.01)
+    assert idle(llm) == 0
+    assert len(llm.aborted) == before + 1  # aborted, not run to its 200 tokens
+
+
+def test_a_huge_prompt_is_refused_without_tokenizing_and_prompts_are_tokenized_off_the_loop(
+        server, monkeypatch):
+    """The review's row 76: a 2.4 MB prompt was tokenized on the event loop, stalling every
+    client for seconds. No tokenization of it can fit the context, so it is refused unread;
+    any other prompt is tokenized in a worker thread, not the server's event loop."""
+    url, llm, _ = server
+    encode, threads = llm.tokenizer.encode, []
+
+    def recorded(text, *args, **kwargs):
+        threads.append((threading.current_thread(), len(text)))
+        return encode(text, *args, **kwargs)
+
+    monkeypatch.setattr(llm.tokenizer, "encode", recorded)
+    huge = httpx.post(f"{url}/v1/completions", timeout=60,
+                      json={"model": NAME, "prompt": "lorem ipsum " * 200_000})
+    assert huge.status_code == 400 and huge.json()["error"]["param"] == "prompt"
+    assert threads == []
+    client(url).completions.create(model=NAME, prompt="hello", **GREEDY)
+    client(url).chat.completions.create(model=NAME, messages=HI, **GREEDY)
+    assert len(threads) == 2 and all(t is not llm.server_thread for t, _ in threads)
+    assert idle(llm) == 0
+
+
+def test_json_endpoints_refuse_other_content_types(server):
+    """The review's row 84: a page in any browser may POST text/plain to another origin
+    without a CORS preflight, so JSON sent as text/plain must not start a generation."""
+    url, llm, _ = server
+    body = json.dumps({"model": NAME, "prompt": "hi", "max_tokens": 2})
+    for kind in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data"):
+        reply = httpx.post(f"{url}/v1/completions", content=body,
+                           headers={"content-type": kind}, timeout=60)
+        assert reply.status_code == 415 and reply.json()["error"]["code"] == 415
+    assert idle(llm) == 0
+
+
+def test_an_api_key_guards_v1(tiny, monkeypatch):
+    """The review's row 82: ``--api-key`` (or $PAGEDLAB_API_KEY, as vLLM's VLLM_API_KEY):
+    401 without it under /v1; /health stays open for probes."""
+    tokenizer, model = tiny
+    monkeypatch.setenv("PAGEDLAB_API_KEY", "s3cret")
+    assert parser().parse_args([]).api_key == "s3cret"
+    assert parser().parse_args(["--api-key", "other"]).api_key == "other"
+    with serving(build_app(tiny_llm(model, tokenizer), NAME, api_key="s3cret")) as (url, *_):
+        for key in ("wrong", "none"):
+            wrong = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
+            with pytest.raises(openai.AuthenticationError):
+                wrong.completions.create(model=NAME, prompt="hi", max_tokens=2)
+        assert httpx.get(f"{url}/v1/models").status_code == 401
+        assert httpx.get(f"{url}/health").status_code == 200
+        right = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0)
+        assert right.completions.create(model=NAME, prompt="hi", max_tokens=2).choices
+
+
+@pytest.mark.parametrize("shutdown_timeout", [0.0, 120.0])
+def test_shutdown_ends_streams_in_flight_at_once_or_drains_them(tiny, shutdown_timeout):
+    """vLLM's shape (the review's rows 79, 80): by default the requests in flight end at once,
+    each stream with an error event and [DONE] (never cut); ``--shutdown-timeout`` lets them
+    finish first. Either way the engine is shut down, with no block left in use."""
+    tokenizer, model = tiny
+    llm = tiny_llm(model, tokenizer)
+    app = build_app(llm, NAME)
+    body = {"model": NAME, "prompt": "a long story:", "max_tokens": 120, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with serving(app, shutdown_timeout) as (url, server, thread):
+        started = [threading.Event() for _ in range(2)]
+        with ThreadPoolExecutor(2) as pool:
+            streams = [pool.submit(sse_lines, url, body, s) for s in started]
+            assert all(s.wait(60) for s in started)
+            server.should_exit = True  # what SIGTERM and Ctrl-C do
+            results = [s.result() for s in streams]
+        thread.join(timeout=60)
+        assert not thread.is_alive()
+    for lines in results:
+        assert lines[-1] == "[DONE]"
+        last = json.loads(lines[-2])
+        if shutdown_timeout:
+            assert last["choices"][0]["finish_reason"] == "length"
+        else:
+            assert last["error"]["code"] == 503 and "shutting down" in last["error"]["message"]
+    assert app.state.engine._loop_task.done() and not llm.has_unfinished_requests()
+    assert llm.manager.num_used_blocks == 0
