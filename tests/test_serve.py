@@ -543,3 +543,82 @@ def test_shutdown_ends_streams_in_flight_at_once_or_drains_them(tiny, shutdown_t
             assert last["error"]["code"] == 503 and "shutting down" in last["error"]["message"]
     assert app.state.engine._loop_task.done() and not llm.has_unfinished_requests()
     assert llm.manager.num_used_blocks == 0
+
+
+FUZZED = {  # field -> the endpoint whose body carries it
+    **dict.fromkeys(["model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n",
+                     "seed", "stop", "stop_token_ids", "logprobs", "echo", "stream",
+                     "stream_options", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty", "logit_bias", "ignore_eos", "best_of", "suffix",
+                     "user"], "completions"),
+    **dict.fromkeys(["messages", "max_completion_tokens", "top_logprobs"], "chat/completions"),
+}
+BASES = {"completions": {"model": NAME, "prompt": "hi", "max_tokens": 4},
+         "chat/completions": {"model": NAME, "messages": HI, "max_tokens": 4}}
+
+
+def random_value(rng, depth=0):
+    """Any JSON value: numbers small, huge and not finite, text of any length with lone
+    surrogates and emoji, lists and objects nested a little or very deep."""
+    kind = rng.choice(["int", "huge", "float", "nonfinite", "text", "bool", "null", "list",
+                       "object", "deep"])
+    if kind == "int":
+        return rng.randint(-3, 300)
+    if kind == "huge":
+        return rng.choice([2**31, 2**63, 2**64, -(2**70), 10**30])
+    if kind == "float":
+        return rng.uniform(-3, 3)
+    if kind == "nonfinite":
+        return rng.choice([float("nan"), float("inf"), float("-inf")])
+    if kind == "text":
+        size = rng.choice([0, 3, 40, 3000])
+        return "".join(rng.choice(["a", " ", "\ud800", "\U0001f600", "\u05d0", "\x00", "7"])
+                       for _ in range(size))
+    if kind == "bool":
+        return rng.random() < 0.5
+    if kind == "null":
+        return None
+    if kind == "deep":
+        return json.loads("[" * 50 + "]" * 50) if rng.random() < 0.5 else "deep"
+    if depth > 2:
+        return 1
+    if kind == "list":
+        return [random_value(rng, depth + 1) for _ in range(rng.randint(0, 4))]
+    return {rng.choice(["role", "content", "type", "text", "5", "x"]): random_value(rng, depth + 1)
+            for _ in range(rng.randint(0, 3))}
+
+
+def test_fuzzed_bodies_fail_alone_while_other_streams_run(server):
+    """Bodies with one field set to a random value (type, size, nesting), sent while other
+    streams run: each gets a 200 (a value that happens to be valid) or a 4xx naming that
+    field, never a 5xx; every other stream's reply is the one it gets alone; no block leaks."""
+    import random
+
+    url, llm, reference = server
+    rng = random.Random(47)
+    body = {"model": NAME, "prompt": "a steady stream:", "max_tokens": 30, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    (want,) = reference.generate(body["prompt"], SamplingParams(
+        temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False)
+    done, replies = threading.Event(), []
+
+    def steady():
+        while not done.is_set():
+            replies.append(streamed_text(sse_lines(url, body)))
+
+    with ThreadPoolExecutor(2) as pool:
+        runs = [pool.submit(steady) for _ in range(2)]
+        for _ in range(120):
+            field = rng.choice(list(FUZZED))
+            path = FUZZED[field]
+            sent = {**BASES[path], field: random_value(rng)}
+            reply = httpx.post(f"{url}/v1/{path}", content=json.dumps(sent), timeout=120,
+                               headers={"content-type": "application/json"})
+            assert reply.status_code in (200, 400, 404), (sent, reply.text)
+            if reply.status_code != 200:
+                assert reply.json()["error"]["param"] == field, (sent, reply.text)
+        done.set()
+        for run in runs:
+            run.result()
+    assert replies and all(text == want.outputs[0].text for text in replies)
+    assert idle(llm) == 0
