@@ -278,7 +278,8 @@ def test_a_client_that_disconnects_gives_its_blocks_back(server):
 
 def test_python_m_pagedlab_serve_starts_answers_and_stops_on_sigterm():
     """The README's server command: SmolLM2 by default, answering the openai client; SIGTERM
-    ends it cleanly."""
+    with two streams in flight (the review's row 79: it waited for them) ends them at once,
+    each with an error event and [DONE], and the process cleanly."""
     import os
     import signal
     import subprocess
@@ -312,6 +313,17 @@ def test_python_m_pagedlab_serve_starts_answers_and_stops_on_sigterm():
             model=model.id, messages=[{"role": "user", "content": "What is 2 + 2?"}],
             temperature=0, max_tokens=4)
         assert reply.usage.completion_tokens <= 4 and reply.choices[0].message.content
+        body = {"model": model.id, "prompt": "Once upon a time", "max_tokens": 150,
+                "temperature": 0, "ignore_eos": True, "stream": True}
+        started = [threading.Event() for _ in range(2)]
+        with ThreadPoolExecutor(2) as pool:
+            streams = [pool.submit(sse_lines, url, body, s) for s in started]
+            assert all(s.wait(120) for s in started)
+            proc.send_signal(signal.SIGTERM)
+            for stream in streams:
+                lines = stream.result()
+                assert lines[-1] == "[DONE]" and json.loads(lines[-2])["error"]["code"] == 503
+                assert len(lines) < 150  # ended, not drained to its 150 tokens
     finally:
         proc.send_signal(signal.SIGTERM)
         output = proc.communicate(timeout=60)[0]
