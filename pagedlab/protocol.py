@@ -23,7 +23,10 @@ UNSUPPORTED = ("suffix", "tools", "tool_choice", "functions", "function_call",
 
 
 def _utf8(text: str) -> str:
-    text.encode("utf-8")  # a lone surrogate raises UnicodeEncodeError, a ValueError
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(f"a lone surrogate at {error.start} is not text (not UTF-8)") from None
     return text
 
 

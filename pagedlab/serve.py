@@ -72,19 +72,23 @@ def shutting_down() -> ApiError:
 
 
 def invalid(error: ValidationError, request_id: str) -> ApiError:
-    """pydantic's first complaint as a 400 naming its field; a field that may take several
-    forms (``stop``: a string or a list) gets one reason per form."""
+    """pydantic's complaint about the first bad field as a 400 naming it: where a field may
+    take several forms (``stop``: a string or a list of strings), the form that got furthest
+    (an item of the list), or one reason per form if none did."""
+    def path(problem):  # the location without pydantic's tags for a union's forms
+        return [p for p in problem["loc"] if isinstance(p, int) or re.fullmatch(r"\w+", p)]
+
     problems = error.errors()
-    loc = problems[0]["loc"]
-    path = [p for p in loc if isinstance(p, int) or re.fullmatch(r"\w+", p)]  # no type tags
-    where = ".".join(map(str, path))
-    if problems[0]["type"] == "missing":
-        return ApiError(f"request {request_id!r}: '{where}' is required", str(path[0]))
-    reasons = "; or ".join(dict.fromkeys(
-        p["msg"] for p in problems
-        if [q for q in p["loc"] if isinstance(q, int) or re.fullmatch(r"\w+", q)] == path))
-    return ApiError(f"request {request_id!r}: {where}={reprlib.repr(problems[0]['input'])}: "
-                    f"{reasons}", str(path[0]) if path else None)
+    field = path(problems[0])[:1]
+    mine = [p for p in problems if path(p)[:1] == field]
+    where = max(map(path, mine), key=len)
+    first = next(p for p in mine if path(p) == where)
+    name, param = ".".join(map(str, where)), str(field[0]) if field else None
+    if first["type"] == "missing":
+        return ApiError(f"request {request_id!r}: '{name}' is required", param)
+    reasons = "; or ".join(dict.fromkeys(p["msg"] for p in mine if path(p) == where))
+    return ApiError(f"request {request_id!r}: {name}={reprlib.repr(first['input'])}: "
+                    f"{reasons}", param)
 
 
 def parse(raw: bytes, model, request_id: str):
@@ -564,7 +568,10 @@ def main(argv=None) -> None:
     app = build_app(llm, name, api_key=args.api_key)
     config = uvicorn.Config(app, host=args.host, port=args.port,
                             timeout_graceful_shutdown=GRACE_S)
-    Server(config, args.shutdown_timeout).run()
+    try:
+        Server(config, args.shutdown_timeout).run()
+    except KeyboardInterrupt:  # Ctrl-C, re-raised once the server stopped (as uvicorn.run)
+        pass
 
 
 if __name__ == "__main__":

@@ -352,7 +352,7 @@ class LLM:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise InvalidPrompt(
-                f"request {request_id!r}: token ids {bad[:5]} are outside the vocabulary "
+                f"request {request_id!r}: prompt token ids {bad[:5]} are outside the vocabulary "
                 f"[0, {vocab})"
             )
         if not ids:
