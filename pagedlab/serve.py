@@ -96,11 +96,12 @@ def parse(raw: bytes, model, request_id: str):
     try:
         body = json.loads(raw)
     except RecursionError:
-        raise ApiError("the request body is not valid JSON: it nests too deeply") from None
+        raise ApiError(f"request {request_id!r}: the body is not valid JSON: it nests too "
+                       "deeply") from None
     except ValueError:
-        raise ApiError("the request body is not valid JSON") from None
+        raise ApiError(f"request {request_id!r}: the body is not valid JSON") from None
     if not isinstance(body, dict):
-        raise ApiError("the request body must be a JSON object")
+        raise ApiError(f"request {request_id!r}: the body must be a JSON object")
     for name in UNSUPPORTED:
         if body.get(name) is not None:
             raise ApiError(f"request {request_id!r}: '{name}' is not supported by this server",
@@ -111,10 +112,10 @@ def parse(raw: bytes, model, request_id: str):
         raise invalid(error, request_id) from None
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+async def read_body(request: Request, limit: int, request_id: str) -> bytes:
     """The body, refused with 413 as soon as it is known to exceed ``limit`` bytes."""
     declared = request.headers.get("content-length", "")
-    too_big = ApiError(f"the request body is over {limit} bytes", status=413)
+    too_big = ApiError(f"request {request_id!r}: the body is over {limit} bytes", status=413)
     if declared.isdigit() and int(declared) > limit:
         raise too_big
     chunks, size = [], 0
@@ -320,7 +321,7 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None,
     async def serve(request: Request, chat: bool):
         arrival = time.monotonic()
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{next(ids)}"
-        raw = await read_body(request, max_body_bytes)
+        raw = await read_body(request, max_body_bytes, request_id)
         req = await asyncio.to_thread(parse, raw, ChatRequest if chat else CompletionRequest,
                                       request_id)
         check(req, chat, request_id)

@@ -1,7 +1,10 @@
 """The OpenAI-compatible server, through the official ``openai`` client and raw HTTP: the same
-text as the engine offline, streamed or whole, for completions and chat; OpenAI's error object
-with HTTP 400 for bad input while others are served; 24 concurrent streams and a client that
-disconnects, with no block leaked."""
+text as the engine offline, streamed or whole, for completions and chat; every bad request
+refused alone, before the engine, with OpenAI's error object naming its field (the review of
+2026-12-04, ``../shared/reviews/server-2026-12-04.md``: each of its failing rows is a test here,
+and a fuzz of request bodies runs beside live streams); the API as OpenAI's clients use it;
+concurrent streams, clients that disconnect, an API key, content types, and shutdown, with no
+block leaked."""
 
 import contextlib
 import json
@@ -20,7 +23,7 @@ import uvicorn  # noqa: E402
 
 from pagedlab import LLM, SamplingParams  # noqa: E402
 from pagedlab.checkpoints import ModelNotInstalled, smollm2  # noqa: E402
-from pagedlab.serve import Server, build_app, parser  # noqa: E402
+from pagedlab.serve import MAX_BODY_BYTES, Server, build_app, parser  # noqa: E402
 
 NAME = "tiny"
 MAX_MODEL_LEN = 256
@@ -495,6 +498,14 @@ def test_a_huge_prompt_is_refused_without_tokenizing_and_prompts_are_tokenized_o
     client(url).completions.create(model=NAME, prompt="hello", **GREEDY)
     client(url).chat.completions.create(model=NAME, messages=HI, **GREEDY)
     assert len(threads) == 2 and all(t is not llm.server_thread for t, _ in threads)
+    assert idle(llm) == 0
+
+
+def test_a_body_over_the_limit_is_refused_before_it_is_read(server):
+    url, llm, _ = server
+    reply = httpx.post(f"{url}/v1/completions", content=b" " * (MAX_BODY_BYTES + 1),
+                       headers={"content-type": "application/json"}, timeout=60)
+    assert reply.status_code == 413 and reply.json()["error"]["code"] == 413
     assert idle(llm) == 0
 
 
