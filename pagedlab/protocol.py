@@ -11,7 +11,7 @@ does.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
@@ -30,10 +30,12 @@ def _utf8(text: str) -> str:
     return text
 
 
+T = TypeVar("T")
 Text = Annotated[str, AfterValidator(_utf8)]
 NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(_utf8)]
 TokenId = Annotated[int, Field(ge=0)]
 Number = Annotated[float, Field(allow_inf_nan=False)]
+NonEmpty = Annotated[list[T], Field(min_length=1)]
 Penalty = Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)]  # OpenAI's range
 
 
@@ -71,7 +73,7 @@ class _Request(BaseModel):
 class CompletionRequest(_Request):
     """``POST /v1/completions``: a prompt (text or token ids), or a list of them."""
 
-    prompt: NonEmptyText | list[TokenId] | list[NonEmptyText] | list[list[TokenId]]
+    prompt: NonEmptyText | NonEmpty[TokenId] | NonEmpty[NonEmptyText] | NonEmpty[list[TokenId]]
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 

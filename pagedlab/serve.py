@@ -271,13 +271,11 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None,
         field = "messages" if chat else "prompt"
         try:
             if chat:
-                for m in req.messages:
-                    fits(m.text(), request_id, field)
                 messages = [{"role": m.role, "content": m.text()} for m in req.messages]
                 prompts = [fits(chat_prompt(messages, request_id, tokenizer), request_id, field)]
             else:
                 prompt = req.prompt
-                single = isinstance(prompt, str) or (prompt and isinstance(prompt[0], int))
+                single = isinstance(prompt, str) or isinstance(prompt[0], int)
                 prompts = [prompt] if single else prompt
                 prompts = [fits(p, request_id, field) if isinstance(p, str) else p
                            for p in prompts]

@@ -203,6 +203,8 @@ NESTED = '{"model": "tiny", "prompt": ' + "[" * 100_000 + "]" * 100_000 + "}"
     ("completions", {"prompt": "hi", "top_k": 10**6}, "top_k", 400),
     ("completions", {"prompt": "hi", "seed": -1}, "seed", 400),  # 42
     ("completions", {"prompt": ""}, "prompt", 400),  # 43
+    ("completions", {"prompt": []}, "prompt", 400),  # 44
+    ("completions", {"prompt": [[]]}, "prompt", 400),
     ("completions", {"prompt": "\ud800"}, "prompt", 400),  # 47
     ("chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]}, "messages",
      400),  # 48
