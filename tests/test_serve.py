@@ -648,3 +648,33 @@ def test_fuzzed_bodies_fail_alone_while_other_streams_run(server):
             run.result()
     assert replies and all(text == want.outputs[0].text for text in replies)
     assert idle(llm) == 0
+
+
+def test_a_failed_step_ends_each_reply_with_an_error_it_can_read(tiny):
+    """A step that fails for no one request's fault (the device, say) fails the requests it
+    served: a stream gets an error event and [DONE] (the review's row 75 saw one cut), a
+    whole request a JSON 500 (it saw plain text); the server serves on."""
+    tokenizer, model = tiny
+    llm = tiny_llm(model, tokenizer)
+    execute, calls = llm.runner.execute, []
+
+    def flaky(step):
+        calls.append(step)
+        if len(calls) == 3:
+            raise RuntimeError("device lost")
+        return execute(step)
+
+    llm.runner.execute = flaky
+    body = {"model": NAME, "prompt": "a story:", "max_tokens": 20, "temperature": 0,
+            "ignore_eos": True}
+    with serving(build_app(llm, NAME)) as (url, *_):
+        lines = sse_lines(url, {**body, "stream": True})
+        assert lines[-1] == "[DONE]"
+        error = json.loads(lines[-2])["error"]
+        assert error["code"] == 500 and "device lost" in error["message"]
+        calls.clear()
+        whole = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert whole.status_code == 500 and whole.json()["error"]["code"] == 500
+        ok = client(url).completions.create(model=NAME, prompt="hello", **GREEDY)
+        assert ok.usage.completion_tokens == 12
+    assert llm.manager.num_used_blocks == 0
