@@ -37,6 +37,7 @@ TokenId = Annotated[int, Field(ge=0)]
 Number = Annotated[float, Field(allow_inf_nan=False)]
 NonEmpty = Annotated[list[T], Field(min_length=1)]
 Penalty = Annotated[float, Field(ge=-2, le=2, allow_inf_nan=False)]  # OpenAI's range
+Bias = Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]  # OpenAI's range
 
 
 class StreamOptions(BaseModel):
@@ -64,7 +65,7 @@ class _Request(BaseModel):
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
     repetition_penalty: Number = Field(1.0, gt=0)
-    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]] | None = None
+    logit_bias: dict[str, Bias] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Text | None = None

@@ -69,7 +69,7 @@ def test_a_consumer_that_leaves_frees_its_blocks_and_a_bad_request_fails_alone(m
             seen += 1
             if seen == 3:
                 break  # closing the stream aborts the request
-        with pytest.raises(InvalidPrompt, match="request 'bad': token ids"):
+        with pytest.raises(InvalidPrompt, match="request 'bad': prompt token ids"):
             async for _ in engine.generate([10**9], greedy(3), "bad"):
                 pass
         outs = [o async for o in engine.generate(other, greedy(5), "stays")]
