@@ -12,8 +12,9 @@ prune, stop, free). ``generate`` adds its requests and steps
 until none is left (vLLM's ``LLMEngine`` loop: :meth:`LLM.add_request`, :meth:`LLM.step`,
 :meth:`LLM.abort_request`). A step is a transaction: if it raises, every request in flight is
 aborted, the blocks it cached before writing them are forgotten, and the engine serves the
-next call as a fresh one would. A request that is invalid, or that the cache can never hold,
-fails alone: its output carries the error and the others complete.
+next call as a fresh one would. A request that is invalid, that the cache can never hold, or
+whose sampling or detokenization raises fails alone: its output carries the error and the
+others complete.
 """
 
 from __future__ import annotations
@@ -273,8 +274,7 @@ class LLM:
     def step(self) -> list[RequestOutput]:
         """Run one step; return the outputs of the requests it advanced, finished or failed."""
         step = self._step()
-        groups = [*step.groups, *step.failed]
-        return [self._output(g, keep=not g.is_finished) for g in groups]
+        return [self._step_output(g) for g in [*step.groups, *step.failed]]
 
     def abort_request(self, request_id: str) -> None:
         """Stop an unfinished request and free its blocks."""
@@ -340,6 +340,17 @@ class LLM:
         stats.prefix_misses = prefix.misses - prefix_before.misses
         outs = [o if isinstance(o, RequestOutput) else self._output(groups[o]) for o in outs]
         return outs, groups
+
+    def _step_output(self, group: SequenceGroup) -> RequestOutput:
+        """``group``'s output after a step; if making it raises (its tokens do not decode),
+        the request fails alone: aborted, its output carrying the error."""
+        try:
+            return self._output(group, keep=not group.is_finished)
+        except Exception as error:  # noqa: BLE001  (whatever it is, it is this request's)
+            if not group.is_finished:
+                self.abort_request(group.request_id)
+            self._prompts.pop(group.request_id, None)
+            return RequestOutput.failed(group.request_id, error)
 
     def _output(self, group: SequenceGroup, keep: bool = False) -> RequestOutput:
         prompts = self._prompts
