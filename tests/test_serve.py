@@ -466,7 +466,7 @@ def test_a_non_streamed_request_is_aborted_when_its_client_leaves(server):
     """The review's row 72: the request ran all its tokens after its client had gone."""
     url, llm, _ = server
     before = len(llm.aborted)
-    body = json.dumps({"model": NAME, "prompt": "a long story:", "max_tokens": 200,
+    body = json.dumps({"model": NAME, "prompt": "a long story:", "max_tokens": 240,
                        "temperature": 0, "ignore_eos": True}).encode()
     host, port = url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as sock:
@@ -477,7 +477,7 @@ def test_a_non_streamed_request_is_aborted_when_its_client_leaves(server):
             assert time.monotonic() < deadline, "the request never started"
             time.sleep(0.01)
     assert idle(llm) == 0
-    assert len(llm.aborted) == before + 1  # aborted, not run to its 200 tokens
+    assert len(llm.aborted) == before + 1  # aborted, not run to its 240 tokens
 
 
 def test_a_huge_prompt_is_refused_without_tokenizing_and_prompts_are_tokenized_off_the_loop(
@@ -549,7 +549,7 @@ def test_shutdown_ends_streams_in_flight_at_once_or_drains_them(tiny, shutdown_t
     tokenizer, model = tiny
     llm = tiny_llm(model, tokenizer)
     app = build_app(llm, NAME)
-    body = {"model": NAME, "prompt": "a long story:", "max_tokens": 120, "temperature": 0,
+    body = {"model": NAME, "prompt": "a long story:", "max_tokens": 240, "temperature": 0,
             "ignore_eos": True, "stream": True}
     with serving(app, shutdown_timeout) as (url, server, thread):
         started = [threading.Event() for _ in range(2)]
