@@ -634,16 +634,18 @@ def test_fuzzed_bodies_fail_alone_while_other_streams_run(server):
 
     with ThreadPoolExecutor(2) as pool:
         runs = [pool.submit(steady) for _ in range(2)]
-        for _ in range(120):
-            field = rng.choice(list(FUZZED))
-            path = FUZZED[field]
-            sent = {**BASES[path], field: random_value(rng)}
-            reply = httpx.post(f"{url}/v1/{path}", content=json.dumps(sent), timeout=120,
-                               headers={"content-type": "application/json"})
-            assert reply.status_code in (200, 400, 404), (sent, reply.text)
-            if reply.status_code != 200:
-                assert reply.json()["error"]["param"] == field, (sent, reply.text)
-        done.set()
+        try:
+            for _ in range(120):
+                field = rng.choice(list(FUZZED))
+                path = FUZZED[field]
+                sent = {**BASES[path], field: random_value(rng)}
+                reply = httpx.post(f"{url}/v1/{path}", content=json.dumps(sent), timeout=120,
+                                   headers={"content-type": "application/json"})
+                assert reply.status_code in (200, 400, 404), (sent, reply.text)
+                if reply.status_code != 200:
+                    assert reply.json()["error"]["param"] == field, (sent, reply.text)
+        finally:
+            done.set()
         for run in runs:
             run.result()
     assert replies and all(text == want.outputs[0].text for text in replies)
