@@ -69,7 +69,7 @@ def test_a_consumer_that_leaves_frees_its_blocks_and_a_bad_request_fails_alone(m
             seen += 1
             if seen == 3:
                 break  # closing the stream aborts the request
-        with pytest.raises(InvalidPrompt, match="request 'bad': token ids"):
+        with pytest.raises(InvalidPrompt, match="request 'bad': prompt token ids"):
             async for _ in engine.generate([10**9], greedy(3), "bad"):
                 pass
         outs = [o async for o in engine.generate(other, greedy(5), "stays")]
@@ -149,4 +149,43 @@ def test_a_failed_step_fails_the_requests_it_served_and_the_engine_serves_on(mod
 
     last = asyncio.run(main())
     assert last.finished and len(last.outputs[0].token_ids) == 4
+    assert llm.manager.num_used_blocks == 0
+
+
+def test_a_request_whose_text_cannot_be_decoded_fails_alone():
+    """A tokenizer that raises on one token (a broken vocabulary entry, say): the request a
+    logit bias drives to that token fails with the tokenizer's error, and the request that
+    shares its steps streams on to the text it gets alone."""
+    tokenizer, model = tiny_over_smollm2_tokenizer()
+    cursed = 1234
+
+    class Broken(type(tokenizer)):
+        def decode(self, ids, *args, **kwargs):
+            if cursed in list(ids):
+                raise ValueError(f"token {cursed} cannot be decoded")
+            return super().decode(ids, *args, **kwargs)
+
+    tokenizer.__class__ = Broken
+    llm = LLM(model, tokenizer=tokenizer, block_size=4, num_gpu_blocks=128)
+    fine = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    (alone,) = llm.generate("a fine story", fine, use_tqdm=False)
+    doomed = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                            logit_bias={cursed: 100.0})
+
+    async def main():
+        engine = AsyncLLM(llm)
+
+        async def last(prompt, params, request_id):
+            outs = [o async for o in engine.generate(prompt, params, request_id)]
+            return outs[-1]
+
+        results = await asyncio.gather(last("a fine story", fine, "fine"),
+                                       last("a doomed story", doomed, "doomed"),
+                                       return_exceptions=True)
+        await engine.shutdown()
+        return results
+
+    ok, failed = asyncio.run(main())
+    assert isinstance(failed, ValueError) and "cannot be decoded" in str(failed)
+    assert ok.outputs[0].text == alone.outputs[0].text
     assert llm.manager.num_used_blocks == 0

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_serve import NAME, idle, server  # noqa: F401  (the tiny-model server fixture)
+from test_serve import NAME, idle, server, tiny  # noqa: F401  (the tiny-model server fixture)
 
 import httpx  # noqa: E402
 from pagedlab import SamplingParams  # noqa: E402

@@ -267,7 +267,8 @@ def test_errors_name_the_request_and_leak_nothing(qwen):
     outs = llm.generate([short, long], GREEDY, use_tqdm=False)
     assert isinstance(outs[1].error, CacheTooSmall) and "request '1'" in str(outs[1].error)
     (bad,) = llm.generate([short + [999]], GREEDY, use_tqdm=False)
-    assert isinstance(bad.error, InvalidPrompt) and "request '2': token ids [999]" in str(bad.error)
+    assert isinstance(bad.error, InvalidPrompt)
+    assert "request '2': prompt token ids [999]" in str(bad.error)
     (wide,) = LLM(model, num_gpu_blocks=4, max_num_seqs=2).generate(
         [short], SamplingParams(n=3), use_tqdm=False)
     assert "max_num_seqs=2" in str(wide.error)

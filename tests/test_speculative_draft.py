@@ -311,14 +311,13 @@ def test_serve_takes_the_draft_method_on_its_command_line(case, tmp_path, monkey
     pytest.importorskip("fastapi", reason="the server's extra is not installed")
     import json
 
-    import uvicorn
-
     from pagedlab import serve
 
     case["hf"].save_pretrained(tmp_path)
     built = {}
-    monkeypatch.setattr(serve, "build_app", lambda llm, name: built.setdefault("llm", llm))
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: None)
+    monkeypatch.setattr(serve, "build_app",
+                        lambda llm, name, **kw: built.setdefault("llm", llm))
+    monkeypatch.setattr(serve.Server, "run", lambda self, *args, **kw: None)
     serve.main(["--model", str(tmp_path), "--block-size", "4", "--num-gpu-blocks", "64",
                 "--speculative-config", json.dumps(draft_config(2))])
     llm = built["llm"]

@@ -7,7 +7,9 @@ thread (a step is seconds of CPU work that must not stall the event loop) and ha
 request its new output. :meth:`AsyncLLM.generate` is an async iterator of those outputs; each
 completion carries ``delta``, the text that is new since the last one, held back while it
 could still change: an unfinished multi-byte character decodes to U+FFFD, and the start of a
-stop string must not be sent before the engine knows whether it completes.
+stop string must not be sent before the engine knows whether it completes. A request that
+fails (refused when added, or failed alone in a step) raises its error in its own consumer;
+the others go on.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class AsyncLLM:
         self._pending: list[tuple] = []  # (request id, prompt, params): added between steps
         self._aborted: set[str] = set()
         self._wake = asyncio.Event()
+        self._stopping = False
         self.num_preemptions = 0  # since start, for the server's metrics
         self._loop_task = asyncio.get_running_loop().create_task(self._run())
 
@@ -50,6 +53,8 @@ class AsyncLLM:
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                if item.error is not None:  # failed alone in a step
+                    raise item.error
                 out = _with_deltas(item, sent, stops)
                 finished = out.finished
                 yield out
@@ -65,15 +70,26 @@ class AsyncLLM:
         self._aborted.add(request_id)
         self._wake.set()
 
+    def fail_all(self, error: Exception) -> None:
+        """End every request now: each consumer raises ``error`` (a server shutting down)."""
+        for request_id, queue in self._queues.items():
+            queue.put_nowait(error)
+            self._aborted.add(request_id)
+        self._wake.set()
+
     async def shutdown(self) -> None:
-        """Stop the background task; requests still running are aborted."""
-        self._loop_task.cancel()
-        try:
-            await self._loop_task
-        except asyncio.CancelledError:
-            pass
+        """Stop the background task once its step in flight is done (a step runs in a thread
+        that cannot be cancelled); requests still running are aborted. Idempotent."""
+        self._stopping = True
+        self._wake.set()
+        await self._loop_task
         for request_id in list(self.llm.scheduler.unfinished):
             self.llm.abort_request(request_id)
+
+    @property
+    def num_requests(self) -> int:
+        """Requests whose consumers are still reading (a server drains until there are none)."""
+        return len(self._queues)
 
     @property
     def num_running(self) -> int:
@@ -82,11 +98,11 @@ class AsyncLLM:
     async def _run(self) -> None:
         """Admit, abort, step, deliver; sleep while there is nothing to do."""
         llm = self.llm
-        while True:
+        while not self._stopping:
             self._admit()
             if not llm.has_unfinished_requests():
                 self._wake.clear()
-                if not self._pending and not self._aborted:
+                if not self._pending and not self._aborted and not self._stopping:
                     await self._wake.wait()
                 continue
             in_flight = list(llm.scheduler.unfinished)

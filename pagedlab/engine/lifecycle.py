@@ -146,6 +146,10 @@ class RequestLifecycle:
         finished = []
         for out in outputs:
             group = out.group
+            if out.error is not None:  # this group alone failed
+                self._end(group, "error", out.error)
+                finished.append(group)
+                continue
             if out.done:  # beam search over: the finished beams are in group.completed
                 for seq in group.live:
                     self._free(seq.seq_id)

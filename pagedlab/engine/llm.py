@@ -12,8 +12,9 @@ prune, stop, free). ``generate`` adds its requests and steps
 until none is left (vLLM's ``LLMEngine`` loop: :meth:`LLM.add_request`, :meth:`LLM.step`,
 :meth:`LLM.abort_request`). A step is a transaction: if it raises, every request in flight is
 aborted, the blocks it cached before writing them are forgotten, and the engine serves the
-next call as a fresh one would. A request that is invalid, or that the cache can never hold,
-fails alone: its output carries the error and the others complete.
+next call as a fresh one would. A request that is invalid, that the cache can never hold, or
+whose sampling or detokenization raises fails alone: its output carries the error and the
+others complete.
 """
 
 from __future__ import annotations
@@ -257,6 +258,9 @@ class LLM:
             generators = params.generators(self.model.device)
             if params.stop and self.tokenizer is None:
                 raise InvalidPrompt(f"request {request_id!r}: stop strings need a tokenizer")
+            if params.adjusts_logits and self.config.speculative_config is not None:
+                raise ValueError(f"request {request_id!r}: logit_bias and penalties are not "
+                                 "supported with speculative decoding")
             check = stop_string_check(params.stop, self.tokenizer)
         else:
             generators = ()
@@ -270,8 +274,7 @@ class LLM:
     def step(self) -> list[RequestOutput]:
         """Run one step; return the outputs of the requests it advanced, finished or failed."""
         step = self._step()
-        groups = [*step.groups, *step.failed]
-        return [self._output(g, keep=not g.is_finished) for g in groups]
+        return [self._step_output(g) for g in [*step.groups, *step.failed]]
 
     def abort_request(self, request_id: str) -> None:
         """Stop an unfinished request and free its blocks."""
@@ -338,6 +341,17 @@ class LLM:
         outs = [o if isinstance(o, RequestOutput) else self._output(groups[o]) for o in outs]
         return outs, groups
 
+    def _step_output(self, group: SequenceGroup) -> RequestOutput:
+        """``group``'s output after a step; if making it raises (its tokens do not decode),
+        the request fails alone: aborted, its output carrying the error."""
+        try:
+            return self._output(group, keep=not group.is_finished)
+        except Exception as error:  # noqa: BLE001  (whatever it is, it is this request's)
+            if not group.is_finished:
+                self.abort_request(group.request_id)
+            self._prompts.pop(group.request_id, None)
+            return RequestOutput.failed(group.request_id, error)
+
     def _output(self, group: SequenceGroup, keep: bool = False) -> RequestOutput:
         prompts = self._prompts
         text = prompts.get(group.request_id) if keep else prompts.pop(group.request_id, None)
@@ -349,7 +363,7 @@ class LLM:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise InvalidPrompt(
-                f"request {request_id!r}: token ids {bad[:5]} are outside the vocabulary "
+                f"request {request_id!r}: prompt token ids {bad[:5]} are outside the vocabulary "
                 f"[0, {vocab})"
             )
         if not ids:

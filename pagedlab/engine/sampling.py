@@ -5,12 +5,15 @@
 sample ``i`` is seeded ``seed + i`` (as vLLM does), so it equals the same request run alone
 with ``n=1, seed=seed + i``. The ``n`` samples are drawn from the prompt's logits; the
 scheduler then forks the prompt's sequence into ``n``, sharing its blocks (copy-on-write).
-Beam groups go to :mod:`pagedlab.engine.beams`.
+Beam groups go to :mod:`pagedlab.engine.beams`. A request whose sampling raises fails alone: the
+others of its step are sampled without it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import math
 
 import torch
 from torch import Tensor
@@ -45,6 +48,10 @@ class SamplingParams:
     ignore_eos: bool = False
     stop: tuple[str, ...] = ()
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
         check_positive("n", self.n, integer=True)
@@ -53,8 +60,9 @@ class SamplingParams:
         check_positive("top_p", self.top_p)
         if self.top_p > 1:
             raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"top_k={self.top_k!r} must be -1, 0 (both: off) or a positive int")
+        if not isinstance(self.top_k, int) or not -1 <= self.top_k < 2**63:
+            raise ValueError(f"top_k={self.top_k!r} must be -1, 0 (both: off) or a positive int "
+                             "below 2**63")
         if self.seed is not None and (
             isinstance(self.seed, bool) or not isinstance(self.seed, int)
             or not 0 <= self.seed < 2**63 - self.n
@@ -70,8 +78,18 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids={self.stop_token_ids!r} must be token ids (ints >= 0)")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos={self.ignore_eos!r} must be True or False")
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+            if not _finite(getattr(self, name)):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a finite number")
+        check_positive("repetition_penalty", self.repetition_penalty)
+        bias = tuple(sorted(dict(self.logit_bias).items()))
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 and _finite(b)
+                   for t, b in bias):
+            raise ValueError(f"logit_bias={self.logit_bias!r} must map token ids (ints >= 0) "
+                             "to finite numbers")
         object.__setattr__(self, "stop_token_ids", ids)
         object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "logit_bias", bias)
 
     @property
     def width(self) -> int:
@@ -82,11 +100,40 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
 
+    @property
+    def adjusts_logits(self) -> bool:
+        """Does a bias or a penalty change the logits before the draw?"""
+        return bool(self.logit_bias) or (self.presence_penalty, self.frequency_penalty,
+                                         self.repetition_penalty) != (0.0, 0.0, 1.0)
+
     def generators(self, device) -> list[torch.Generator | None]:
         """Each sample's random stream: sample i seeded ``seed + i``; None (global) unseeded."""
         if self.seed is None:
             return [None] * self.n
         return [torch.Generator(device=device).manual_seed(self.seed + i) for i in range(self.n)]
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def adjusted_logits(logits: Tensor, params: SamplingParams, prompt: list[int],
+                    output: list[int]) -> Tensor:
+    """One row of ``logits`` [vocab] after ``params``' logit bias and penalties, given the
+    sequence's ``prompt`` and ``output`` token ids (vLLM's ``apply_penalties``)."""
+    logits = logits.clone()
+    if params.logit_bias:
+        ids, bias = zip(*params.logit_bias)
+        logits[list(ids)] += torch.tensor(bias, dtype=logits.dtype, device=logits.device)
+    vocab = logits.shape[-1]
+    counts = torch.bincount(torch.tensor(output, dtype=torch.int64, device=logits.device),
+                            minlength=vocab)[:vocab]  # [vocab]
+    seen = counts > 0
+    seen_anywhere = seen.clone()
+    seen_anywhere[torch.tensor(prompt, dtype=torch.int64, device=logits.device)] = True
+    penalty = torch.where(seen_anywhere, params.repetition_penalty, 1.0).to(logits.dtype)
+    logits = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return logits - params.frequency_penalty * counts - params.presence_penalty * seen
 
 
 def filtered_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
@@ -143,8 +190,20 @@ class Sampler:
                  drafts: dict[int, list[int]] | None = None):
         """``rows`` maps a sequence id to its (first) row of ``logits`` [rows, vocab] (fp32);
         ``drafts`` a speculative decode's sequence id to its proposals, verified by the
-        ``len(draft) + 1`` rows from there (:mod:`pagedlab.engine.speculative`)."""
+        ``len(draft) + 1`` rows from there (:mod:`pagedlab.engine.speculative`).
+
+        If the batch raises, each group is sampled alone, so that a group whose sampling
+        raises fails by itself (its output carries the error) and no other request with it."""
+        try:
+            return self._sample(groups, rows, logits, drafts)
+        except Exception as error:  # noqa: BLE001  (whatever it is, it is this batch's)
+            if len(groups) == 1:
+                return [GroupOutput(groups[0], [], error=error)]
+            return [out for group in groups for out in self([group], rows, logits, drafts)]
+
+    def _sample(self, groups, rows, logits, drafts):
         logprobs = logits.log_softmax(-1)  # [rows, vocab]
+        logits = _adjusted(groups, rows, logits)
         drafts = drafts or {}
         draws, outputs = [], []  # draws: (group, seq, row, generator) of every sampled child
         for group in groups:
@@ -219,6 +278,20 @@ class Sampler:
             for i, token in zip(random, picked.tolist()):
                 tokens[i] = token
         return tokens
+
+
+def _adjusted(groups: list[SequenceGroup], rows: dict[int, int], logits: Tensor) -> Tensor:
+    """``logits`` with the rows of groups that ask for a bias or penalties adjusted."""
+    adjusting = [g for g in groups if not g.is_beam_search and g.params.adjusts_logits]
+    if not adjusting:
+        return logits
+    logits = logits.clone()
+    for group in adjusting:
+        for seq in group.live:
+            row = rows[seq.seq_id]
+            logits[row] = adjusted_logits(logits[row], group.params, group.prompt_token_ids,
+                                          seq.output_token_ids)
+    return logits
 
 
 def top_logprobs(logprobs: Tensor, k: int, token: int) -> dict[int, float]:

@@ -225,8 +225,10 @@ class SequenceOutput:
 @dataclass
 class GroupOutput:
     """What a step produced for one group: its children, and whether the group is done (beam
-    search decides that as a whole; sampled sequences finish one by one)."""
+    search decides that as a whole; sampled sequences finish one by one); ``error``, if
+    sampling it raised, fails this group alone."""
 
     group: SequenceGroup
     children: list[SequenceOutput]
     done: bool = False
+    error: Exception | None = None
