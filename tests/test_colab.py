@@ -105,9 +105,15 @@ TIMING_RATIOS = {
 # a unit in the last place (a CI rehearsal found factors up to 2.2). Within ROUNDING_FACTOR; the
 # errors chapter 3 compares with one another, and an exact 0, stay exact.
 ROUNDING = {
-    "ch03_blockwise_softmax": {"att_err", "bw_err", "merge_err", "online_err16"},
-    "ch07_decode_kernel": {"kernel_vs_ref", "online_vs_kernel", "ref_vs_sdpa", "split_worst"},
-    "ch08_engine": {"beam_err", "logprob_err", "mixed_max_err"},
+    "ch03_blockwise_softmax": {"att_err", "bw_err", "merge_err", "online_err16", "ex1_diff32",
+                               "ex2_fold_err", "ex2_tree_err", "ex4_err_kahan", "ex4_rel_kahan",
+                               "ex4_rel_plain", "ex6_err"},
+    "ch07_decode_kernel": {"kernel_vs_ref", "online_vs_kernel", "ref_vs_sdpa", "split_worst",
+                           "ex4_diff"},
+    # and the real model's logits and beam scores in exercises 5 and 6, which another CPU's
+    # sums may move in their last digit
+    "ch08_engine": {"beam_err", "logprob_err", "mixed_max_err", "ex5_gap", "ex5_l1", "ex5_l2",
+                    "ex6_best_cum", "ex6_best_tf", "ex6_tf_worst"},
     "ch09_chunked_prefill": {"spec_vs_sdpa", "varlen_vs_spec"},
 }
 # Compared by their words alone, signs aside: values read off the wall clock (a request's TTFT
