@@ -185,3 +185,19 @@ def cheat(solution: nbformat.NotebookNode, sources: dict[str, str]) -> nbformat.
         if task and source is not None:
             cell.source = source.replace("TASK", task.split("/")[0])
     return nb
+
+# Issue 46, item 3: files whose untrusted parts had the trusted side raise, ending the whole
+# batch with no gradebook. Each needs the rules out of the way (PAST_THE_RULES, see the test)
+# but the minus signs, which broke the rules check itself.
+MINUS_SIGNS = "_CHECKSUM = " + "-" * 5000 + "1\n"
+FORGED_INDEX = """# PAST_THE_RULES
+import os, json
+os.write(3, json.dumps({"cells": [{"index": [4], "stdout": "", "error": None}], "hidden": [],
+                        "violations": []}).encode())
+os._exit(0)
+"""
+NESTED_REPORT = """# PAST_THE_RULES
+import os
+os.write(3, b"[" * 100000)
+os._exit(0)
+"""

@@ -16,7 +16,7 @@ import pytest
 
 import grade_cheats as cheats
 import wheels
-from pagedlab_course.grade import HIDDEN, grade_many
+from pagedlab_course.grade import HIDDEN, grade_many, rules
 from pagedlab_course.grade.notebook import SOLUTIONS
 
 PACKAGE = HIDDEN.parents[1]
@@ -149,3 +149,26 @@ def test_a_course_handed_out_as_a_wheel_is_graded_outside_the_repository(tmp_pat
     done = grade("--solutions", str(course / "solutions"))
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.strip().splitlines()[-1].startswith("A1 (A1_mine.ipynb): 1/1 tasks passed")
+
+
+@pytest.mark.slow
+def test_no_file_stops_a_batch_and_its_neighbour_is_graded_as_alone(tmp_path, monkeypatch):
+    """Issue 46, item 3 (the review's C11, C12): a report with a list where a cell's index
+    belongs (TypeError in scoring), one nested past the JSON parser's depth, and a cell of 5,000
+    minus signs (RecursionError in the rules check) each ended the batch with no gradebook."""
+    real = rules.check
+    monkeypatch.setattr(rules, "check", lambda source, **kw: [] if "PAST_THE_RULES" in source else real(source, **kw))
+    a1 = nbformat.read(next(SOLUTIONS.glob("A1_*.ipynb")), as_version=4)
+    paths = {}
+    for label, source in [("honest", None), ("minus", cheats.MINUS_SIGNS), ("index", cheats.FORGED_INDEX),
+                          ("nested", cheats.NESTED_REPORT)]:
+        paths[label] = tmp_path / f"A1_{label}.ipynb"
+        nbformat.write(cheats.cheat(a1, {"A1.1": source}) if source else a1, paths[label])
+    batch = dict(zip(paths, grade_many(list(paths.values()), tasks=["A1.1"])))
+    alone = grade_many([paths["honest"]], tasks=["A1.1"])[0]
+    assert batch["honest"].as_dict() == alone.as_dict() and alone.passed
+    (why,) = batch["minus"].refused
+    assert why.startswith("your A1.1 cell (cell 4) could not be checked: RecursionError: maximum recursion depth"), why
+    for label in ("index", "nested"):
+        report = batch[label]
+        assert not report.passed and report.task("A1.1").passed + report.task("A1.1").hidden_passed == 0, report.text()
