@@ -16,7 +16,7 @@ import pytest
 
 import grade_cheats as cheats
 import wheels
-from pagedlab_course.grade import HIDDEN, grade_many, rules
+from pagedlab_course.grade import HIDDEN, grade_many
 from pagedlab_course.grade.notebook import SOLUTIONS
 
 PACKAGE = HIDDEN.parents[1]
@@ -116,6 +116,7 @@ def test_a_batch_grades_every_readable_file_and_gives_the_others_a_row(tmp_path)
     rows = {row["notebook"]: row for row in csv.DictReader(gradebook.open())}
     assert sorted(rows) == ["A1_good.ipynb", "A1_truncated.ipynb", "A1_unknown.ipynb", "A2_actually_A1.ipynb"]
     assert rows["A1_good.ipynb"]["status"] == "passed" and rows["A1_good.ipynb"]["checks passed"] != "0"
+    assert {row["sandbox"] for row in rows.values()} == {"bwrap"}  # .ci/run installs bubblewrap
     assert rows["A1_truncated.ipynb"]["status"] == "refused" and "unreadable" in rows["A1_truncated.ipynb"]["why"]
     assert "the notebook is A9's" in rows["A1_unknown.ipynb"]["why"]
     assert "the file name says A2 but the notebook is A1's" in rows["A2_actually_A1.ipynb"]["why"]
@@ -156,8 +157,7 @@ def test_no_file_stops_a_batch_and_its_neighbour_is_graded_as_alone(tmp_path, mo
     """Issue 46, item 3 (the review's C11, C12): a report with a list where a cell's index
     belongs (TypeError in scoring), one nested past the JSON parser's depth, and a cell of 5,000
     minus signs (RecursionError in the rules check) each ended the batch with no gradebook."""
-    real = rules.check
-    monkeypatch.setattr(rules, "check", lambda source, **kw: [] if "PAST_THE_RULES" in source else real(source, **kw))
+    cheats.let_past_the_rules(monkeypatch)
     a1 = nbformat.read(next(SOLUTIONS.glob("A1_*.ipynb")), as_version=4)
     paths = {}
     for label, source in [("honest", None), ("minus", cheats.MINUS_SIGNS), ("index", cheats.FORGED_INDEX),

@@ -9,7 +9,6 @@ import functools
 import hashlib
 import json
 import os
-import sys
 import types
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ import nbformat
 from pagedlab_course.grade import rules, sandbox
 from pagedlab_course.grade.notebook import ASSIGNMENT, SOLUTIONS, Assignment, assemble, load, reference_for
 from pagedlab_course.grade.report import Report, score
+from pagedlab_course.grade.supervise import supervise
 
 HIDDEN = sandbox.HIDDEN
 
@@ -32,13 +32,21 @@ def grade_many(
     tasks: list | None = None,
     cell_timeout: float = 300.0,
     timeout: float = 900.0,
+    limits: sandbox.Limits = sandbox.Limits(),
+    allow_unsealed: bool = False,
 ) -> list[Report]:
     """Grade submitted notebooks (paths, or (path, tasks) pairs), each in a sealed process of
     its own, as many at a time as there are cores.
 
     ``tasks`` limits each run to those tasks' checks and stops after their last cell (for fast
-    tests of single tasks); ``None`` grades everything.
+    tests of single tasks); ``None`` grades everything. Without a working bubblewrap, a batch
+    of more than one file is refused unless ``allow_unsealed``.
     """
+    level, why = sandbox.probe()
+    if level != "bwrap" and len(notebooks) > 1 and not allow_unsealed:
+        raise Unsealed(f"bubblewrap is not working here ({why}), so every submission would run as your user, "
+                       f"with only the static rules between it and your files and the other submissions: install "
+                       f"bubblewrap (apt-get install bubblewrap), or pass --allow-unsealed to grade the batch anyway")
     checks = hidden_sources([HIDDEN, *extra_checks])
     plans = []
     for item in notebooks:
@@ -52,16 +60,23 @@ def grade_many(
     jobs = [plan.job for plan in plans if isinstance(plan, Plan) and plan.job]
     protected = [*sandbox.PACKAGES, solutions, *extra_checks]
     before = _digest(protected)
-    results = iter(_run(jobs, timeout))
+    results = iter(_run(jobs, timeout, limits))
     changed = sorted(p for p, d in _digest(protected).items() if before.get(p) != d)
     if changed:
         raise RuntimeError(f"a submission changed the grader's files ({', '.join(changed)}): "
                            f"restore them; no grade of this batch can be trusted")
-    return [plan if isinstance(plan, Report) else _scored(plan, next(results) if plan.job else None) for plan in plans]
+    reports = [plan if isinstance(plan, Report) else _scored(plan, next(results) if plan.job else None) for plan in plans]
+    for report in reports:
+        report.sandbox = level
+    return reports
 
 
 class UnknownTask(ValueError):
     """A task the assignment does not have was asked for: the instructor's mistake, not a file's."""
+
+
+class Unsealed(ValueError):
+    """A batch would run without bubblewrap, and the instructor did not ask for that."""
 
 
 class ReferenceFailed(RuntimeError):
@@ -234,21 +249,14 @@ def _digest(dirs: list[Path]) -> dict[str, str]:
             if p.is_file() and "__pycache__" not in p.parts}
 
 
-def _run(jobs: list[dict], timeout: float) -> list[dict]:
-    """Each job's results, from a sealed worker process of its own (``{"crash": why}`` if it
-    reported nothing readable)."""
+def _run(jobs: list[dict], timeout: float, limits: sandbox.Limits) -> list[dict]:
+    """Each job's results, from a sealed worker process of its own, as many at a time as there are cores."""
 
     def one(job):
-        status, out, err = sandbox.run([sys.executable, "-m", "pagedlab_course.grade.worker"], json.dumps(job), timeout)
-        if status is None:
-            return {"crash": f"the submission ran for more than {timeout:g} s and was stopped"}
         try:
-            result = json.loads(out)
-        except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
-            result = None
-        if not isinstance(result, dict):
-            return {"crash": f"the submission's process ended (status {status}) before reporting"}
-        return result
+            return supervise(job, timeout, limits)
+        except Exception as err:  # noqa: BLE001 - the grader's side failed for this file alone
+            return {"crash": f"the grader could not run it: {type(err).__name__}: {err}"}
 
     parallel = max(1, min(len(jobs), len(os.sched_getaffinity(0))))
     with ThreadPoolExecutor(parallel) as pool:

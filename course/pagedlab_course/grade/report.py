@@ -45,6 +45,7 @@ class Report:
     notes: list[str] = field(default_factory=list)
     setup_mismatches: list[str] = field(default_factory=list)  # the notebook's own cells (CI)
     student_output: dict[str, str] = field(default_factory=dict)
+    sandbox: str = ""  # "bwrap", or "process": run without bubblewrap's seal (see grade/sandbox.py)
 
     @property
     def passed(self) -> bool:
@@ -72,6 +73,9 @@ class Report:
             lines.append(t.line())
             lines += [f"    {f}" for f in t.refused + t.library_use + t.failures]
         lines += [f"note: {n}" for n in self.notes]
+        if self.sandbox == "process":
+            lines.append("note: graded without bubblewrap (sandbox level 'process'): only the rules protected the "
+                         "grader's files and other submissions")
         for where, out in self.student_output.items():
             shown = out.rstrip().splitlines()
             lines.append(f"note: your code printed {len(shown)} line(s) during {where} (shown, not graded)")
@@ -178,6 +182,7 @@ def score(assignment: Assignment, cells: list[Cell], result: dict, notebook: str
     for task, breaches in (refused or {}).items():
         scores.setdefault(task, TaskScore(task)).refused += breaches
     report.tasks = list(scores.values())
+    report.notes += [n for n in _list(result, "notes") if isinstance(n, str)]
     return report
 
 

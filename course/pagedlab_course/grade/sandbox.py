@@ -22,9 +22,11 @@ import functools
 import importlib.util
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 # The two packages the worker imports, wherever they are installed: the library the students
@@ -59,9 +61,10 @@ def _readable() -> list[str]:
     return sorted(p for p in paths if os.path.exists(p))
 
 
-def bwrap_command(argv: list[str]) -> list[str]:
-    cmd = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--clearenv",
-           "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/scratch", "--chdir", "/scratch"]
+def bwrap_command(argv: list[str], sizes: list[str] = ()) -> list[str]:
+    """bubblewrap's command line for ``argv``; ``sizes`` (``--size BYTES``) caps each tmpfs."""
+    cmd = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--clearenv", "--proc", "/proc",
+           "--dev", "/dev", *sizes, "--tmpfs", "/tmp", *sizes, "--tmpfs", "/scratch", "--chdir", "/scratch"]
     for system in ("/usr", "/bin", "/lib", "/lib64", "/sbin", "/etc"):
         if os.path.islink(system):
             cmd += ["--symlink", os.readlink(system), system]
@@ -78,32 +81,105 @@ def bwrap_command(argv: list[str]) -> list[str]:
 
 
 @functools.lru_cache(maxsize=None)
-def level() -> str:
-    """'bwrap' if bubblewrap runs a sealed python here, else 'process'."""
-    if os.environ.get("PAGEDLAB_GRADE_SANDBOX") == "process" or shutil.which("bwrap") is None:
-        return "process"
+def probe() -> tuple[str, str]:
+    """('bwrap', '') if bubblewrap runs a sealed python here, else ('process', why not)."""
+    if os.environ.get("PAGEDLAB_GRADE_SANDBOX") == "process":
+        return "process", "PAGEDLAB_GRADE_SANDBOX=process asks for it"
+    if shutil.which("bwrap") is None:
+        return "process", "bwrap is not installed"
     try:
         done = subprocess.run(bwrap_command([sys.executable, "-c", "print('ok')"]), capture_output=True,
                               text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired):
-        return "process"
-    return "bwrap" if done.returncode == 0 and done.stdout.strip() == "ok" else "process"
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return "process", f"bwrap did not run: {type(err).__name__}: {err}"
+    if done.returncode == 0 and done.stdout.strip() == "ok":
+        return "bwrap", ""
+    return "process", f"bwrap failed (status {done.returncode}): {done.stderr.strip()[-300:]}"
 
 
-def run(argv: list[str], stdin: str, timeout: float) -> tuple[int | None, str, str]:
+def level() -> str:
+    """'bwrap' or 'process': see the module's docstring."""
+    return probe()[0]
+
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one submission's process may take, set by the grader before the worker's code runs
+    (resource limits, inherited and never raised again without privileges) or watched from the
+    grader's side (processes, output, time)."""
+
+    memory_mb: int = 4096  # RLIMIT_DATA: the heap and private mappings, not a GPU's address space
+    file_mb: int = 64  # RLIMIT_FSIZE: any one file written
+    scratch_mb: int = 256  # bwrap's /tmp and /scratch (tmpfs)
+    processes: int = 64  # counted by the grader from outside (RLIMIT_NPROC does not bind root)
+    output_mb: int = 16  # the results read from the worker
+
+    def rlimits(self) -> dict[str, int]:
+        return {"RLIMIT_DATA": self.memory_mb << 20, "RLIMIT_FSIZE": self.file_mb << 20, "RLIMIT_CORE": 0}
+
+
+# Sets the limits in the child, then becomes the command: nothing of the grader's runs after it.
+_LIMITED = ("import os, resource, sys\n"
+            "for name, value in {}.items():\n"
+            "    resource.setrlimit(getattr(resource, name), (value, value))\n"
+            "os.execv(sys.argv[1], sys.argv[1:])\n")
+
+
+def start(argv: list[str], scratch: str, limits: Limits) -> subprocess.Popen:
+    """``argv`` started at the best level with ``limits``, in a session of its own, its stdin,
+    stdout and stderr pipes (bytes)."""
+    if level() == "bwrap":
+        sizes = ["--size", str(limits.scratch_mb << 20)]
+        cmd, env = bwrap_command(argv, sizes), None
+    else:
+        cmd, env = argv, _env(scratch)
+    cmd = [sys.executable, "-c", _LIMITED.format(limits.rlimits()), shutil.which(cmd[0]) or cmd[0], *cmd[1:]]
+    return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=env, cwd=scratch, start_new_session=True)
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (from /proc; the sandbox's show with the host's ids)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                with open(f"/proc/{entry.name}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Kill the process, its session's group and every process below it, and wait for it. A
+    process that left the session and its parent (a double fork with setsid) escapes this in
+    the ``process`` level; under bwrap it dies with the sandbox's pid namespace."""
+    below = descendants(proc.pid)
+    for kill in (lambda: os.killpg(proc.pid, signal.SIGKILL), *(lambda p=p: os.kill(p, signal.SIGKILL) for p in below)):
+        try:
+            kill()
+        except OSError:
+            pass
+    proc.wait()
+
+
+def run(argv: list[str], stdin: str, timeout: float, limits: Limits = Limits()) -> tuple[int | None, str, str]:
     """Run ``argv`` sealed at the best level: (exit status or None if it ran past ``timeout``
     and was killed, stdout, stderr)."""
     with tempfile.TemporaryDirectory(prefix="pagedlab-grade-") as scratch:
-        if level() == "bwrap":
-            cmd, env, cwd = bwrap_command(argv), None, scratch
-        else:
-            cmd, env, cwd = argv, _env(scratch), scratch
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, env=env, cwd=cwd, start_new_session=True)
+        proc = start(argv, scratch, limits)
         try:
-            out, err = proc.communicate(stdin, timeout=timeout)
-            return proc.returncode, out, err
+            out, err = proc.communicate(stdin.encode(), timeout=timeout)
+            status = proc.returncode
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            out, err = proc.communicate()
-            return None, out, err
+            status, out, err = None, b"", b""
+        stop(proc)
+        return status, out.decode(errors="replace"), err.decode(errors="replace")
