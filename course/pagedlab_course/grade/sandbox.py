@@ -139,34 +139,42 @@ def start(argv: list[str], scratch: str, limits: Limits) -> subprocess.Popen:
                             env=env, cwd=scratch, start_new_session=True)
 
 
-def descendants(pid: int) -> list[int]:
-    """The processes below ``pid`` (from /proc; the sandbox's show with the host's ids)."""
-    children: dict[int, list[int]] = {}
+def descendants(pid: int) -> dict[int, str]:
+    """The processes below ``pid`` (from /proc; the sandbox's show with the host's ids), each
+    with its start time, which tells it from a later process given the same id."""
+    children: dict[int, list[tuple[int, str]]] = {}
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():
             try:
                 with open(f"/proc/{entry.name}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
                 continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [pid]
+            children.setdefault(int(fields[1]), []).append((int(entry.name), fields[19]))
+    found, todo = {}, [pid]
     while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
+        for child, started in children.get(todo.pop(), []):
+            found[child] = started
             todo.append(child)
     return found
 
 
-def stop(proc: subprocess.Popen) -> None:
-    """Kill the process, its session's group and every process below it, and wait for it. A
-    process that left the session and its parent (a double fork with setsid) escapes this in
-    the ``process`` level; under bwrap it dies with the sandbox's pid namespace."""
-    below = descendants(proc.pid)
-    for kill in (lambda: os.killpg(proc.pid, signal.SIGKILL), *(lambda p=p: os.kill(p, signal.SIGKILL) for p in below)):
+def stop(proc: subprocess.Popen, seen: dict[int, str] | None = None) -> None:
+    """Kill the process, its session's group, every process below it and every process ``seen``
+    below it before (one that was orphaned since), and wait for it. A process that left the
+    session and its parent between two looks (a double fork with setsid) escapes this in the
+    ``process`` level; under bwrap it dies with the sandbox's pid namespace."""
+    below = {**(seen or {}), **descendants(proc.pid)}
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except OSError:
+        pass
+    for pid, started in below.items():
         try:
-            kill()
-        except OSError:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[19] == started:
+                    os.kill(pid, signal.SIGKILL)
+        except (OSError, IndexError):
             pass
     proc.wait()
 

@@ -34,10 +34,11 @@ def supervise(job: dict, timeout: float, limits: sandbox.Limits) -> dict:
         for target, args in ((_feed, (proc.stdin, json.dumps(job).encode())),
                              (_read, (proc.stdout, limits.output_mb << 20, lines)), (_drain, (proc.stderr,))):
             threading.Thread(target=target, args=args, daemon=True).start()
+        seen: dict[int, str] = {}  # every process seen below the worker, killed with it
         try:
-            crash = _follow(proc, lines, result, job["cell_timeout"], timeout, limits)
+            crash = _follow(proc, lines, result, job["cell_timeout"], timeout, limits, seen)
         finally:
-            sandbox.stop(proc)
+            sandbox.stop(proc, seen)
     if crash:
         result["crash"] = crash
         result["notes"].append(f"the grader stopped your submission: {crash}")
@@ -45,7 +46,7 @@ def supervise(job: dict, timeout: float, limits: sandbox.Limits) -> dict:
 
 
 def _follow(proc, lines: queue.Queue, result: dict, cell_timeout: float, timeout: float,
-            limits: sandbox.Limits) -> str | None:
+            limits: sandbox.Limits, seen: dict[int, str]) -> str | None:
     """Read the worker's lines into ``result`` until it says it is done (None) or a limit is
     hit (why, naming the cell that ran and the limit)."""
     now = time.monotonic()
@@ -57,8 +58,9 @@ def _follow(proc, lines: queue.Queue, result: dict, cell_timeout: float, timeout
         if now >= deadline:
             return f"{current} ran past the time limit of {cell_timeout:g} s per cell"
         if now >= counted + POLL:
-            counted = now
-            if len(sandbox.descendants(proc.pid)) > limits.processes:
+            counted, below = now, sandbox.descendants(proc.pid)
+            seen.update(below)
+            if len(below) > limits.processes:
                 return f"it started more than {limits.processes} processes (the limit) during {current}"
         try:
             line = lines.get(timeout=max(0.01, min(POLL, deadline - now, end - now)))
