@@ -237,3 +237,20 @@ def test_processes_a_submission_leaves_behind_are_killed_with_it(level, tmp_path
     assert len(pids) == 2 and report.sandbox == "process"
     alive = [p for p in pids if os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split()[2] != "Z"]
     assert not alive, alive
+
+
+@pytest.mark.slow
+def test_a_hang_in_one_task_loses_only_what_follows_it(tmp_path):
+    """The review's B23: A2.4's find_violations waits for a duplicated free-list entry to go
+    away; its hidden property check caught its CellTimeout as a failing example and ran on,
+    and the whole run was killed at 900 s with nothing reported: A2.1 to A2.3, correct, got 0."""
+    from test_grade import edited
+
+    path = tmp_path / "A2_hang.ipynb"
+    nbformat.write(edited("A2", [("    entries = Counter(b for table in tables for b in table.blocks)\n    on_free_list",
+                                  "    while len(set(allocator.free_list)) != len(allocator.free_list):\n        pass\n"
+                                  "    entries = Counter(b for table in tables for b in table.blocks)\n    on_free_list")]),
+                   path)
+    report = grade_many([path], cell_timeout=3)[0]
+    assert [t.task for t in report.tasks if t.ok] == ["A2.1", "A2.2", "A2.3", "A2"], report.text()
+    assert not report.task("A2.4").ok and "ran past the time limit of 3 s per cell" in report.text()
