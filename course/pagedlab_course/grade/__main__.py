@@ -27,6 +27,8 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds for one submission's whole run")
     parser.add_argument("--memory-limit", type=int, default=Limits.memory_mb, metavar="MB",
                         help="memory of one submission's process (heap and private mappings)")
+    parser.add_argument("--seed", type=int, help="the seed hidden checks draw their cases from (default: drawn "
+                        "now; each report records it, so a grade can be reproduced)")
     parser.add_argument("--allow-unsealed", action="store_true",
                         help="grade a batch even where bubblewrap is not working (each submission then runs "
                              "as your user, kept from your files by the rules alone)")
@@ -45,7 +47,7 @@ def main(argv=None) -> int:
     try:
         reports = grade_many(notebooks, extra_checks=args.extra_checks, solutions=args.solutions,
                              tasks=args.tasks, cell_timeout=args.cell_timeout, timeout=args.timeout,
-                             limits=Limits(memory_mb=args.memory_limit), allow_unsealed=args.allow_unsealed)
+                             limits=Limits(memory_mb=args.memory_limit), allow_unsealed=args.allow_unsealed, seed=args.seed)
     except ValueError as err:  # an unknown task, or a batch without bubblewrap: nothing was graded
         parser.error(str(err))
     for report in reports:
@@ -56,13 +58,13 @@ def main(argv=None) -> int:
         with args.csv.open("w", newline="") as f:
             writer = csv.writer(f)
             writer.writerow(["notebook", "assignment", "status", "tasks passed", "tasks", "checks passed", "checks",
-                             "hidden passed", "hidden", "sandbox", "why"])
+                             "hidden passed", "hidden", "sandbox", "seed", "why"])
             for r in reports:
                 status = "refused" if r.refused else "passed" if r.passed else "failed"
                 writer.writerow([r.notebook, r.assignment, status, sum(t.ok for t in r.tasks), len(r.tasks),
                                  sum(t.passed for t in r.tasks), sum(t.checks for t in r.tasks),
                                  sum(t.hidden_passed for t in r.tasks), sum(t.hidden for t in r.tasks),
-                                 r.sandbox, "; ".join(r.refused)])
+                                 r.sandbox, r.seed, "; ".join(r.refused)])
     return 0 if all(r.passed for r in reports) else 1
 
 

@@ -7,8 +7,10 @@ from __future__ import annotations
 import ast
 import functools
 import hashlib
+import inspect
 import json
 import os
+import secrets
 import types
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -34,13 +36,15 @@ def grade_many(
     timeout: float = 900.0,
     limits: sandbox.Limits = sandbox.Limits(),
     allow_unsealed: bool = False,
+    seed: int | None = None,
 ) -> list[Report]:
     """Grade submitted notebooks (paths, or (path, tasks) pairs), each in a sealed process of
     its own, as many at a time as there are cores.
 
     ``tasks`` limits each run to those tasks' checks and stops after their last cell (for fast
     tests of single tasks); ``None`` grades everything. Without a working bubblewrap, a batch
-    of more than one file is refused unless ``allow_unsealed``.
+    of more than one file is refused unless ``allow_unsealed``. ``seed`` (drawn now if None, and
+    recorded in every report) is what hidden checks draw their cases from.
     """
     level, why = sandbox.probe()
     if level != "bwrap" and len(notebooks) > 1 and not allow_unsealed:
@@ -48,11 +52,12 @@ def grade_many(
                        f"with only the static rules between it and your files and the other submissions: install "
                        f"bubblewrap (apt-get install bubblewrap), or pass --allow-unsealed to grade the batch anyway")
     checks = hidden_sources([HIDDEN, *extra_checks])
+    seed = secrets.randbelow(2**31) if seed is None else seed
     plans = []
     for item in notebooks:
         path, only = (Path(item[0]), item[1]) if isinstance(item, tuple) else (Path(item), tasks)
         try:
-            plans.append(_plan(path, only, checks, solutions, cell_timeout))
+            plans.append(_plan(path, only, checks, solutions, cell_timeout, seed))
         except (UnknownTask, ReferenceFailed):
             raise  # the instructor's mistake: nothing is graded
         except Exception as err:  # noqa: BLE001 - one file that cannot be read or checked is one row
@@ -67,7 +72,7 @@ def grade_many(
                            f"restore them; no grade of this batch can be trusted")
     reports = [plan if isinstance(plan, Report) else _scored(plan, next(results) if plan.job else None) for plan in plans]
     for report in reports:
-        report.sandbox = level
+        report.sandbox, report.seed = level, seed
     return reports
 
 
@@ -105,7 +110,8 @@ class Plan:
     job: dict | None
 
 
-def _plan(path: Path, only: list | None, checks: list[dict], solutions: Path, cell_timeout: float) -> Plan:
+def _plan(path: Path, only: list | None, checks: list[dict], solutions: Path, cell_timeout: float,
+          seed: int) -> Plan:
     """Read one submission against its reference and check its cells: what its worker runs."""
     try:
         nb = nbformat.read(path, as_version=4)
@@ -126,7 +132,7 @@ def _plan(path: Path, only: list | None, checks: list[dict], solutions: Path, ce
         "cells": [{"index": c.index, "kind": c.kind, "task": c.task, "source": c.source} for c in cells],
         "forbid": assignment.forbid,
         "hidden": [{"label": h["label"], "source": h["source"],
-                    "references": {name: json.loads(_reference(h["label"], h["source"], name))
+                    "references": {name: json.loads(_reference(h["label"], h["source"], name, seed))
                                    for name, task, referenced in h["checks"] if referenced and (not only or task in only)}}
                    for h in hidden],
         "only": only,
@@ -217,15 +223,16 @@ def _trusted(label: str, source: str) -> types.ModuleType:
 
 
 @functools.lru_cache(maxsize=None)
-def _reference(label: str, source: str, check: str) -> str:
-    """The value (as JSON) of the ``reference`` a hidden check names, computed here once per file
-    and check in a grader's process (a batch, or a whole test session)."""
-    fn = getattr(_trusted(label, source), check)
+def _reference(label: str, source: str, check: str, seed: int = 0) -> str:
+    """The value (as JSON) of the ``reference`` a hidden check names, computed here once per file,
+    check and seed in a grader's process (a batch, or a whole test session); a reference with a
+    parameter gets the batch's seed."""
+    fn = getattr(_trusted(label, source), check).__grade_reference__
     try:
-        return json.dumps(fn.__grade_reference__())
+        return json.dumps(fn(seed) if inspect.signature(fn).parameters else fn())
     except Exception as err:  # noqa: BLE001 - an instructor's error, named, before any grading
-        raise ReferenceFailed(f"{label}: the reference {fn.__grade_reference__.__name__} of {check} failed: "
-                           f"{type(err).__name__}: {err}") from err
+        raise ReferenceFailed(f"{label}: the reference {fn.__name__} of {check} failed: "
+                              f"{type(err).__name__}: {err}") from err
 
 
 def _marked(source: str) -> list[tuple[str, str, bool]]:

@@ -46,6 +46,7 @@ class Report:
     setup_mismatches: list[str] = field(default_factory=list)  # the notebook's own cells (CI)
     student_output: dict[str, str] = field(default_factory=dict)
     sandbox: str = ""  # "bwrap", or "process": run without bubblewrap's seal (see grade/sandbox.py)
+    seed: int | None = None  # what the hidden checks drew their cases from (--seed reproduces a grade)
 
     @property
     def passed(self) -> bool:
