@@ -234,27 +234,20 @@ while True:
     except BaseException:
         pass
 """
-# Issue 46, item 5 (C10, C17): processes left behind after the cell, one in the worker's
-# session and one in a session of its own; each prints its pid into the student's output.
+# Issue 46, item 5 (C10, C17): processes left behind after the cell: one in the worker's session,
+# one in a session of its own and a daemon (a double fork with setsid, its parent gone at once);
+# each pid printed into the student's output.
 LEAVES_CHILDREN = """# PAST_THE_RULES
 import os, time
-for new_session in (False, True):
-    pid = os.fork()
-    if pid == 0:
-        if new_session:
+for kind in ("child", "session", "daemon"):
+    read, write = os.pipe()
+    if os.fork() == 0:
+        if kind != "child":
             os.setsid()
+        if kind == "daemon" and os.fork():
+            os._exit(0)
+        os.write(write, str(os.getpid()).encode())
         time.sleep(120)
         os._exit(0)
-    print(pid)
-"""
-
-# Issue 46, item 2 (the review's C05): serve schedules nothing and returns values that compare
-# equal to anything; special methods made from a dict's keywords, which the rules do not see.
-AGREES_WITH_EVERYTHING = """
-Anything = type("Anything", (), dict(__eq__=lambda s, o: True, __ne__=lambda s, o: False, __hash__=lambda s: 0))
-
-
-def serve(workload, num_gpu_blocks, block_size=4, num_cpu_blocks=0, **config):
-    return {key: Anything() for key in ("finish_steps", "preemptions", "outputs", "steps", "peak_blocks",
-                                         "peak_cpu_blocks", "recomputed", "blocks_copied", "leaked")}
+    print(os.read(read, 20).decode())
 """

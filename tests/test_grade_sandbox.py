@@ -228,13 +228,13 @@ def test_a_batch_without_a_working_bubblewrap_is_refused_unless_asked_for(tmp_pa
 @pytest.mark.parametrize("level", ["process"], indirect=True)
 def test_processes_a_submission_leaves_behind_are_killed_with_it(level, tmp_path, monkeypatch):
     """The review's C10, C17: in the process level, a cell's children outlived the grading of
-    its file (a daemon then edited a hidden check). Both are killed and waited for."""
+    its file (a daemon then edited a hidden check). All three, the daemon too, are killed."""
     import grade_cheats as cheats
 
     cheats.let_past_the_rules(monkeypatch)
     report = grade_many([a1_cheats(tmp_path, leaves=cheats.LEAVES_CHILDREN)["leaves"]], tasks=["A1.1"])[0]
     pids = [int(p) for out in report.student_output.values() for p in out.split()]
-    assert len(pids) == 2 and report.sandbox == "process"
+    assert len(pids) == 3 and report.sandbox == "process", report.text()
     alive = [p for p in pids if os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split()[2] != "Z"]
     assert not alive, alive
 

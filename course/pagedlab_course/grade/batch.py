@@ -19,7 +19,8 @@ from pathlib import Path
 import nbformat
 
 from pagedlab_course.grade import rules, sandbox
-from pagedlab_course.grade.notebook import ASSIGNMENT, SOLUTIONS, Assignment, assemble, load, reference_for
+from pagedlab_course.grade.notebook import (ASSIGNMENT, SOLUTIONS, Assignment, Submission, assemble, load,
+                                            reference_for)
 from pagedlab_course.grade.report import Report, score
 from pagedlab_course.grade.supervise import supervise
 
@@ -101,7 +102,7 @@ class Plan:
     """A readable submission: what it runs (``job``, None if it is refused) and what scores it."""
 
     assignment: Assignment
-    submission: object
+    submission: Submission
     cells: list
     name: str
     only: list | None

@@ -1,23 +1,26 @@
 """The process a submission runs in: fresh, its own, in an empty scratch directory with a clean
-environment, and, where bubblewrap can make Linux namespaces, sealed off from the machine.
+environment, with resource limits (``Limits``) set before its code starts, and, where bubblewrap
+can make Linux namespaces, sealed off from the machine.
 
-Two levels, chosen by a check that runs bubblewrap once (``level()``):
+Two levels, chosen by a check that runs bubblewrap once (``probe()``):
 
 - ``bwrap``: the worker sees a read-only view of the interpreter, the installed packages and
   the ``pagedlab`` and ``pagedlab_course`` packages (without the hidden checks), a private writable ``/tmp`` and
-  ``/scratch`` that vanish with it, no network, its own process ids (it cannot see or signal
-  the grader or another submission) and nothing else: not the references, an instructor's
-  checks, the submissions or the home directory. It dies with the grader.
+  ``/scratch`` of a fixed size that vanish with it, no network, its own process ids (it cannot
+  see or signal the grader or another submission) and nothing else: not the references, an
+  instructor's checks, the submissions or the home directory. It dies with the grader.
 - ``process``: where bubblewrap is absent or cannot create namespaces (some containers and CI
   runners). A fresh process per submission, a new session, an empty temporary working
   directory and a clean environment; it runs with the grader's user, so the files it could
   write are protected only by the static rules (``pagedlab_course.grade.rules``) and detected after
   the fact: the grader compares digests of the package, the references and the instructor's
-  checks before and after each submission and refuses to go on if one changed.
+  checks before and after a batch and refuses to go on if one changed. A batch is graded at
+  this level only when the instructor asks (``--allow-unsealed``), and every report says so.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import importlib.util
 import os
@@ -26,6 +29,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -102,7 +106,6 @@ def level() -> str:
     return probe()[0]
 
 
-
 @dataclass(frozen=True)
 class Limits:
     """What one submission's process may take, set by the grader before the worker's code runs
@@ -126,6 +129,20 @@ _LIMITED = ("import os, resource, sys\n"
             "os.execv(sys.argv[1], sys.argv[1:])\n")
 
 
+WORKERS: set[int] = set()  # the workers running now; any other child of the grader is an orphan of one
+_CHILDREN = threading.Lock()  # held while a worker starts or orphans are looked for
+
+
+@functools.lru_cache(maxsize=None)
+def _adopt_orphans() -> bool:
+    """Make the grader the parent of every process its workers orphan (Linux's child subreaper),
+    however it forked and whatever session it made, so that ``stop`` finds it."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        return False
+
+
 def start(argv: list[str], scratch: str, limits: Limits) -> subprocess.Popen:
     """``argv`` started at the best level with ``limits``, in a session of its own, its stdin,
     stdout and stderr pipes (bytes)."""
@@ -135,48 +152,78 @@ def start(argv: list[str], scratch: str, limits: Limits) -> subprocess.Popen:
     else:
         cmd, env = argv, _env(scratch)
     cmd = [sys.executable, "-c", _LIMITED.format(limits.rlimits()), shutil.which(cmd[0]) or cmd[0], *cmd[1:]]
-    return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=env, cwd=scratch, start_new_session=True)
+    _adopt_orphans()
+    with _CHILDREN:
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                env=env, cwd=scratch, start_new_session=True)
+        WORKERS.add(proc.pid)
+    return proc
 
 
-def descendants(pid: int) -> dict[int, str]:
-    """The processes below ``pid`` (from /proc; the sandbox's show with the host's ids), each
-    with its start time, which tells it from a later process given the same id."""
-    children: dict[int, list[tuple[int, str]]] = {}
+def _stat(pid) -> list[str] | None:
+    """/proc/PID/stat's fields after the command's name (state, parent, ...), or None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _children() -> dict[int, dict[int, str]]:
+    """Every process's children (from /proc), each with its start time, which tells it from a
+    later process given the same id."""
+    children: dict[int, dict[int, str]] = {}
     for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                with open(f"/proc/{entry.name}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except (OSError, IndexError):
-                continue
-            children.setdefault(int(fields[1]), []).append((int(entry.name), fields[19]))
+        fields = _stat(entry.name) if entry.name.isdigit() else None
+        if fields:
+            children.setdefault(int(fields[1]), {})[int(entry.name)] = fields[19]
+    return children
+
+
+def descendants(pid: int, children: dict[int, dict[int, str]] | None = None) -> dict[int, str]:
+    """The processes below ``pid`` (the sandbox's show with the host's ids), with start times."""
+    children = _children() if children is None else children
     found, todo = {}, [pid]
     while todo:
-        for child, started in children.get(todo.pop(), []):
-            found[child] = started
-            todo.append(child)
+        below = children.get(todo.pop(), {})
+        found.update(below)
+        todo += below
     return found
 
 
 def stop(proc: subprocess.Popen, seen: dict[int, str] | None = None) -> None:
-    """Kill the process, its session's group, every process below it and every process ``seen``
-    below it before (one that was orphaned since), and wait for it. A process that left the
-    session and its parent between two looks (a double fork with setsid) escapes this in the
-    ``process`` level; under bwrap it dies with the sandbox's pid namespace."""
-    below = {**(seen or {}), **descendants(proc.pid)}
+    """Kill the process, its session's group, every process below it or ``seen`` below it
+    before, and every orphan the grader adopted, and wait for them. Where the kernel lets the
+    grader adopt orphans (Linux), nothing a submission started outlives it; elsewhere a process
+    that left the session and its parent between two looks escapes in the ``process`` level.
+    Under bwrap everything dies with the sandbox's pid namespace anyway."""
+    _kill({**(seen or {}), **descendants(proc.pid)})
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except OSError:
         pass
-    for pid, started in below.items():
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[19] == started:
-                    os.kill(pid, signal.SIGKILL)
-        except (OSError, IndexError):
-            pass
     proc.wait()
+    with _CHILDREN:
+        WORKERS.discard(proc.pid)
+        children = _children()
+        orphans = {pid: started for pid, started in children.get(os.getpid(), {}).items() if pid not in WORKERS}
+        _kill({**orphans, **{p: t for pid in orphans for p, t in descendants(pid, children).items()}})
+        for pid in orphans:
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
+
+
+def _kill(processes: dict[int, str]) -> None:
+    """SIGKILL each process that is still the one with that start time (not a later one given its id)."""
+    for pid, started in processes.items():
+        fields = _stat(pid)
+        if fields and fields[19] == started:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
 
 
 def run(argv: list[str], stdin: str, timeout: float, limits: Limits = Limits()) -> tuple[int | None, str, str]:
