@@ -251,3 +251,14 @@ for kind in ("child", "session", "daemon"):
         os._exit(0)
     print(os.read(read, 20).decode())
 """
+
+# Issue 46, item 2 (the review's C05): serve schedules nothing and returns values that compare
+# equal to anything; special methods made from a dict's keywords, which the rules do not see.
+AGREES_WITH_EVERYTHING = """
+Anything = type("Anything", (), dict(__eq__=lambda s, o: True, __ne__=lambda s, o: False, __hash__=lambda s: 0))
+
+
+def serve(workload, num_gpu_blocks, block_size=4, num_cpu_blocks=0, **config):
+    return {key: Anything() for key in ("finish_steps", "preemptions", "outputs", "steps", "peak_blocks",
+                                         "peak_cpu_blocks", "recomputed", "blocks_copied", "leaked")}
+"""

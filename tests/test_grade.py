@@ -319,3 +319,17 @@ def test_a_solution_cell_an_editor_stripped_of_metadata_and_id_is_found_by_its_c
     assert not submission.refusals, submission.refusals
     taken = next(c for c in submission.cells if c.kind == "solution" and c.task == "A2.1")
     assert "return 'mine'" in taken.source
+
+
+def test_expect_never_asks_the_students_value_whether_it_is_equal():
+    """Issue 46, item 2 (the review's C05): `expected != actual` lets Python ask the student's
+    `__ne__`; `expect` compares the student's value as plain data."""
+    from pagedlab_course.grade.checks import Diverged, expect
+
+    anything = type("Anything", (), dict(__eq__=lambda s, o: True, __ne__=lambda s, o: False, __hash__=lambda s: 0))()
+    for actual in (anything, [anything], {"peak_blocks": anything}):
+        with pytest.raises(TypeError, match="expected plain data"):
+            expect(0, "serve(...)", "counts", {"peak_blocks": 1}, actual)
+    with pytest.raises(Diverged, match="expected: 1\n    actual:   2"):
+        expect(0, "serve(...)", "peak_blocks", 1, 2)
+    expect(0, "serve(...)", "counts", {"leaked": (0, 0)}, {"leaked": (0, 0)})
