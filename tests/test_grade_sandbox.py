@@ -192,16 +192,20 @@ def test_each_resource_a_cell_takes_costs_at_most_its_limit_and_the_report_names
 
 @pytest.mark.slow
 def test_a_cell_that_catches_its_timeout_is_stopped_by_the_grader(tmp_path):
-    """The review's C15: a cell that catches CellTimeout ran until the fixed 900 s limit."""
+    """The review's C15: a cell that catches CellTimeout ran until the fixed 900 s limit, and the
+    results of the cells before it were lost with it. A1.2's cell does it here."""
     import grade_cheats as cheats
     import time
 
-    path = a1_cheats(tmp_path, catches=cheats.CATCHES_ITS_TIMEOUT)["catches"]
+    a1 = nbformat.read(next(SOLUTIONS.glob("A1_*.ipynb")), as_version=4)  # A1.1 solved
+    next(c for c in a1.cells if "### BEGIN SOLUTION A1.2" in c.source).source = cheats.CATCHES_ITS_TIMEOUT
+    nbformat.write(a1, tmp_path / "A1_catches.ipynb")
     started = time.monotonic()
-    report = grade_many([path], tasks=["A1.1"], cell_timeout=3)[0]
+    report = grade_many([tmp_path / "A1_catches.ipynb"], tasks=["A1.1", "A1.2"], cell_timeout=3)[0]
     assert time.monotonic() - started < 60
-    assert "cell 4 ran past the time limit of 3 s per cell" in "\n".join(report.notes), report.text()
-    assert report.task("A1.1").passed == 0
+    assert "ran past the time limit of 3 s per cell" in "\n".join(report.notes), report.text()
+    assert report.task("A1.2").passed == 0
+    assert report.task("A1.1").passed == report.task("A1.1").checks > 0, report.text()  # sent before the hang
 
 
 def test_a_batch_without_a_working_bubblewrap_is_refused_unless_asked_for(tmp_path, monkeypatch):
@@ -243,7 +247,8 @@ def test_processes_a_submission_leaves_behind_are_killed_with_it(level, tmp_path
 def test_a_hang_in_one_task_loses_only_what_follows_it(tmp_path):
     """The review's B23: A2.4's find_violations waits for a duplicated free-list entry to go
     away; its hidden property check caught its CellTimeout as a failing example and ran on,
-    and the whole run was killed at 900 s with nothing reported: A2.1 to A2.3, correct, got 0."""
+    and the whole run was killed at 900 s with nothing reported: A2.1 to A2.3, correct, got 0.
+    Now the check fails at its limit, naming the line, and A2.4's other hidden check still runs."""
     from test_grade import edited
 
     path = tmp_path / "A2_hang.ipynb"
@@ -253,4 +258,6 @@ def test_a_hang_in_one_task_loses_only_what_follows_it(tmp_path):
                    path)
     report = grade_many([path], cell_timeout=3)[0]
     assert [t.task for t in report.tasks if t.ok] == ["A2.1", "A2.2", "A2.3", "A2"], report.text()
-    assert not report.task("A2.4").ok and "ran past the time limit of 3 s per cell" in report.text()
+    a24 = report.task("A2.4")
+    assert a24.hidden_passed == 1 and "check_find_violations" in "\n".join(a24.failures), report.text()
+    assert "raised CellTimeout: ran for more than 3 s at your A2.4 cell (cell 22)" in "\n".join(a24.failures)

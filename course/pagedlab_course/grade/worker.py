@@ -1,5 +1,6 @@
 """The process that runs one submission: ``python -m pagedlab_course.grade.worker`` (sealed by
-pagedlab_course.grade.sandbox) reads a job on stdin and writes its results as JSON on stdout.
+pagedlab_course.grade.sandbox) reads a job on stdin and writes its results on stdout, a JSON line
+as each cell and hidden check begins and ends (read by pagedlab_course.grade.supervise).
 
 The job holds everything the run needs (cells, hidden checks' sources, forbidden library
 names), so the process needs no file of the grader's. Its cells run in order in one namespace,
@@ -38,8 +39,10 @@ class Notebook(types.SimpleNamespace):
         return "nb"
 
 
-class CellTimeout(Exception):
-    """A cell or hidden check ran past its time limit (an infinite loop, usually)."""
+class CellTimeout(BaseException):
+    """A cell or hidden check ran past its time limit (an infinite loop, usually). Not an
+    Exception: the notebooks' ``error()``, the checks' ``outcome()`` and Hypothesis catch those,
+    and would run on (the grader stops a run that does anyway)."""
 
 
 class Capped(io.StringIO):
