@@ -175,6 +175,15 @@ def scheduler(policy, prompts, num_gpu_blocks, **limits):
 """
 
 
+def let_past_the_rules(monkeypatch) -> None:
+    """Switch the rules off for cells marked PAST_THE_RULES, as if they had found a way around
+    them, and keep them for every other cell."""
+    from pagedlab_course.grade import rules
+
+    real = rules.check
+    monkeypatch.setattr(rules, "check", lambda source, **kw: [] if "PAST_THE_RULES" in source else real(source, **kw))
+
+
 def cheat(solution: nbformat.NotebookNode, sources: dict[str, str]) -> nbformat.NotebookNode:
     """The student copy of ``solution`` with the solution cells of the given tasks replaced
     (the key "*" for every solution cell; "TASK" in a source becomes the cell's task)."""
@@ -185,3 +194,71 @@ def cheat(solution: nbformat.NotebookNode, sources: dict[str, str]) -> nbformat.
         if task and source is not None:
             cell.source = source.replace("TASK", task.split("/")[0])
     return nb
+
+# Issue 46, item 3: files whose untrusted parts had the trusted side raise, ending the whole
+# batch with no gradebook. Each needs the rules out of the way (PAST_THE_RULES, see the test)
+# but the minus signs, which broke the rules check itself.
+MINUS_SIGNS = "_CHECKSUM = " + "-" * 5000 + "1\n"
+FORGED_INDEX = """# PAST_THE_RULES
+import os, json
+for line in [{"cell": {"index": [4], "stdout": "", "error": None}}, {"done": True}]:
+    os.write(3, json.dumps(line).encode() + b"\n")
+os._exit(0)
+"""
+NESTED_REPORT = """# PAST_THE_RULES
+import os
+os.write(3, b"[" * 100000)
+os._exit(0)
+"""
+
+# Issue 46, item 4 (the review's C13, C08, C15): resources a cell takes; each must cost at most
+# the limit the grader sets, and the report must say which limit it met. PAST_THE_RULES: the
+# test lets these cells past the rules, as code that found a way around them would be.
+PRINTS_200_MB = "print('x' * 200_000_000)\n"
+FLOODS_THE_RESULTS = "# PAST_THE_RULES\nimport os\nos.write(3, b'x' * 5_000_000)\n"
+ALLOCATES_3_GB = "import torch\nhoard = torch.ones(3 * 2**30, dtype=torch.uint8)\n"
+WRITES_A_BIG_FILE = "# PAST_THE_RULES\nwith open('/tmp/big', 'wb') as f:\n    f.write(b'x' * 5_000_000)\n"
+FORKS = """# PAST_THE_RULES
+import os, time
+for _ in range(40):
+    if os.fork() == 0:
+        time.sleep(60)
+        os._exit(0)
+time.sleep(60)
+"""
+CATCHES_ITS_TIMEOUT = """
+while True:
+    try:
+        while True:
+            pass
+    except BaseException:
+        pass
+"""
+# Issue 46, item 5 (C10, C17): processes left behind after the cell: one in the worker's session,
+# one in a session of its own and a daemon (a double fork with setsid, its parent gone at once);
+# each pid printed into the student's output.
+LEAVES_CHILDREN = """# PAST_THE_RULES
+import os, time
+for kind in ("child", "session", "daemon"):
+    read, write = os.pipe()
+    if os.fork() == 0:
+        if kind != "child":
+            os.setsid()
+        if kind == "daemon" and os.fork():
+            os._exit(0)
+        os.write(write, str(os.getpid()).encode())
+        time.sleep(120)
+        os._exit(0)
+    print(os.read(read, 20).decode())
+"""
+
+# Issue 46, item 2 (the review's C05): serve schedules nothing and returns values that compare
+# equal to anything; special methods made from a dict's keywords, which the rules do not see.
+AGREES_WITH_EVERYTHING = """
+Anything = type("Anything", (), dict(__eq__=lambda s, o: True, __ne__=lambda s, o: False, __hash__=lambda s: 0))
+
+
+def serve(workload, num_gpu_blocks, block_size=4, num_cpu_blocks=0, **config):
+    return {key: Anything() for key in ("finish_steps", "preemptions", "outputs", "steps", "peak_blocks",
+                                         "peak_cpu_blocks", "recomputed", "blocks_copied", "leaked")}
+"""

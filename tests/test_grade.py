@@ -278,3 +278,58 @@ def test_a_knock_on_failure_names_the_task_that_failed_first():
     report = score(assignment, assignment.cells, {"cells": results, "hidden": [], "violations": []}, "A2_x.ipynb")
     assert "(because A2.3 failed: this check uses its SharedBlockTable)" in report.task("A2.4").failures[0]
     assert "because" not in report.task("A2.3").failures[0]
+
+
+# Issue 46, item 6: bugs of the review's honest student that every hidden check passed.
+MISSED = {
+    "B8 watermark compared with >=": ("A5", ["A5.1"], [("if self.blocks_for(n) > room or", "if self.blocks_for(n) >= room or")]),
+    "B9 a recomputed request queued at the head": ("A5", ["A5.2"], [(
+        "    later = [i for i, r in enumerate(self.waiting) if r.arrival > req.arrival]\n"
+        "    self.waiting.insert(later[0] if later else len(self.waiting), req)", "    self.waiting.appendleft(req)")]),
+    "B13 peak measured after finished requests freed their blocks": ("A5", ["A5.4"], [(
+        "        peak = max(peak, manager.num_used_blocks)\n        peak_cpu = max(peak_cpu, manager.cpu.num_used)\n",
+        ""), ("        sched.update(step)\n", "        sched.update(step)\n        peak = max(peak, manager.num_used_blocks)\n"
+                                        "        peak_cpu = max(peak_cpu, manager.cpu.num_used)\n")]),
+    "C24's control: other exception classes": ("A2", ["A2.1"], [
+        ("raise OutOfBlocks(n, len(self.free_list))", "raise RuntimeError('out of blocks')"),
+        ('raise NotInUse(b, "share")', "raise KeyError(b)"), ('raise NotInUse(b, "release")', "raise KeyError(b)")]),
+}
+
+
+@pytest.mark.slow
+def test_bugs_the_hidden_checks_missed_fail_their_own_task_in_a_hidden_check(tmp_path):
+    paths = []
+    for i, (name, tasks, edits) in enumerate(MISSED.values()):
+        paths.append((tmp_path / f"{name}_{i}.ipynb", tasks))
+        nbformat.write(edited(name, edits), paths[-1][0])
+    reports = grade_many(paths)
+    wrong = [f"{label}:\n{r.text()}" for label, r, (_, tasks, _) in zip(MISSED, reports, MISSED.values())
+             if r.refused or r.task(tasks[0]).hidden_passed == r.task(tasks[0]).hidden]
+    assert not wrong, "\n\n".join(wrong)
+
+
+def test_a_solution_cell_an_editor_stripped_of_metadata_and_id_is_found_by_its_content():
+    """Issue 46, item 6 (the review's C22): an editor dropped the A2.1 cell's metadata and id, and
+    its code no longer holds the stub: it was refused as 'no solution cell for A2.1'."""
+    nb = make_student(nbformat.read(solution_path("A2"), as_version=4))
+    cell = next(c for c in nb.cells if c.metadata.get("pagedlab", {}).get("solution") == "A2.1")
+    cell.metadata, cell["id"] = {}, "stripped"
+    cell.source = cell.source.replace("raise NotImplementedError('A2.1: free-list allocator')", "return 'mine'")
+    submission = assemble(load(solution_path("A2")), nb)
+    assert not submission.refusals, submission.refusals
+    taken = next(c for c in submission.cells if c.kind == "solution" and c.task == "A2.1")
+    assert "return 'mine'" in taken.source
+
+
+def test_expect_never_asks_the_students_value_whether_it_is_equal():
+    """Issue 46, item 2 (the review's C05): `expected != actual` lets Python ask the student's
+    `__ne__`; `expect` compares the student's value as plain data."""
+    from pagedlab_course.grade.checks import Diverged, expect
+
+    anything = type("Anything", (), dict(__eq__=lambda s, o: True, __ne__=lambda s, o: False, __hash__=lambda s: 0))()
+    for actual in (anything, [anything], {"peak_blocks": anything}):
+        with pytest.raises(TypeError, match="expected plain data"):
+            expect(0, "serve(...)", "counts", {"peak_blocks": 1}, actual)
+    with pytest.raises(Diverged, match="expected: 1\n    actual:   2"):
+        expect(0, "serve(...)", "peak_blocks", 1, 2)
+    expect(0, "serve(...)", "counts", {"leaked": (0, 0)}, {"leaked": (0, 0)})

@@ -94,3 +94,18 @@ def test_a_name_one_check_leaves_for_the_next_is_protected_a_checks_scratch_name
     check that uses it binds first, is the student's to use too."""
     assert rules.Breach(1, "rebinds `pool`", rules.RULE_NAME) in breaches("pool = None\n")
     assert breaches("rng = None\n") == []
+
+
+def test_a_comprehension_variable_is_not_a_rebinding_a_walrus_in_one_is():
+    """Issue 46, item 6 (the review): `[f"r{i}" for i in range(12)]` in an A5 cell was refused as
+    rebinding A5's `i`, but Python 3 binds a comprehension's variable in the comprehension only;
+    an assignment expression inside one binds at the cell's top level."""
+    a5 = load(next(SOLUTIONS.glob("A5_*.ipynb")))
+    assert "state" in a5.protected  # a check cell's helper, which the next one calls
+
+    def found(source):
+        return rules.check(source, forbid=a5.forbid, protected=a5.protected)
+
+    assert found('RIDS = [f"r{i}" for i in range(12)]\nSEEN = {state: 1 for state in range(3)}\n') == []
+    assert rules.Breach(1, "rebinds `state`", rules.RULE_NAME) in found("LAST = [(state := n) for n in range(3)]\n")
+    assert rules.Breach(1, "rebinds `state`", rules.RULE_NAME) in found("for state in range(3):\n    pass\n")

@@ -2,6 +2,7 @@
 change, and the digest check that stands in for the sealed level where bubblewrap cannot run."""
 
 import json
+import os
 import shutil
 import sys
 
@@ -42,9 +43,9 @@ def level(monkeypatch, request):
     environment variable the README documents)."""
     if request.param == "process":
         monkeypatch.setenv("PAGEDLAB_GRADE_SANDBOX", "process")
-    sandbox.level.cache_clear()
+    sandbox.probe.cache_clear()
     yield sandbox.level()
-    sandbox.level.cache_clear()
+    sandbox.probe.cache_clear()
 
 
 @pytest.mark.parametrize("level", ["best"], indirect=True)
@@ -119,6 +120,11 @@ def test_a_cell_that_gets_past_the_rules_and_kills_its_parent_harms_no_neighbour
     assert honest.passed  # its parent, in the sandbox, is bwrap's pid 1, which ignores the signal
 
 
+def violations(out: str) -> list[dict]:
+    """The library uses a worker reported, over its lines of results."""
+    return [v for line in out.splitlines() for v in json.loads(line)["violations"]]
+
+
 def test_a_library_function_replaced_through_an_alias_is_caught_when_the_cell_has_run():
     """The rules see `torch.equal = ...` but not `lib = torch; lib.equal = ...`: the worker
     compares the libraries' functions before and after each solution cell."""
@@ -126,7 +132,7 @@ def test_a_library_function_replaced_through_an_alias_is_caught_when_the_cell_ha
     job = {"assignment": "A2", "cells": [cell], "forbid": [], "hidden": [], "only": None, "cell_timeout": 60}
     status, out, err = sandbox.run([sys.executable, "-m", "pagedlab_course.grade.worker"], json.dumps(job), 300)
     assert status == 0, err
-    assert json.loads(out)["violations"] == [{"task": "A2.1", "what": "replaces math.floor", "where": ""}]
+    assert violations(out) == [{"task": "A2.1", "what": "replaces math.floor", "where": ""}]
 
 
 def test_a_library_class_patched_through_an_alias_is_caught_in_a_cell_and_during_a_hidden_check():
@@ -142,7 +148,116 @@ def test_a_library_class_patched_through_an_alias_is_caught_in_a_cell_and_during
            "only": None, "cell_timeout": 60}
     status, out, err = sandbox.run([sys.executable, "-m", "pagedlab_course.grade.worker"], json.dumps(job), 300)
     assert status == 0, err
-    assert json.loads(out)["violations"] == [
+    assert violations(out) == [
         {"task": "A5.1", "what": "replaces pagedlab.memory.manager.KVCacheManager.free", "where": ""},
         {"task": "A5.2", "what": "replaces pagedlab.memory.manager.KVCacheManager.allocate during the hidden check "
                                  "check_it", "where": ""}]
+
+
+# -- issue 46: limits enforced from outside the student's code, and the level in every report ---
+
+
+def a1_cheats(tmp_path, **sources) -> dict:
+    """A1 notebooks whose A1.1 cell (cell 4) is each source, written to tmp_path; label: path."""
+    import grade_cheats
+
+    a1 = nbformat.read(next(SOLUTIONS.glob("A1_*.ipynb")), as_version=4)
+    paths = {label: tmp_path / f"A1_{label}.ipynb" for label in sources}
+    for label, source in sources.items():
+        nbformat.write(grade_cheats.cheat(a1, {"A1.1": source}), paths[label])
+    return paths
+
+
+@pytest.mark.slow
+def test_each_resource_a_cell_takes_costs_at_most_its_limit_and_the_report_names_it(tmp_path, monkeypatch):
+    """The review's C13 (200 MB printed: a 200 MB report), C08 (3 GB allocated, no limit), a
+    file written past its size, a flood of results, 40 processes forked: each stopped or cut."""
+    import grade_cheats as cheats
+
+    cheats.let_past_the_rules(monkeypatch)
+    paths = a1_cheats(tmp_path, prints=cheats.PRINTS_200_MB, floods=cheats.FLOODS_THE_RESULTS,
+                      allocates=cheats.ALLOCATES_3_GB, file=cheats.WRITES_A_BIG_FILE, forks=cheats.FORKS)
+    limits = sandbox.Limits(memory_mb=1024, file_mb=1, processes=8, output_mb=1)
+    reports = dict(zip(paths, grade_many(list(paths.values()), tasks=["A1.1"], limits=limits, allow_unsealed=True)))
+    assert all(not r.passed for r in reports.values())
+    (printed,) = reports["prints"].student_output.values()
+    assert len(json.dumps(reports["prints"].as_dict())) < 100_000
+    assert printed.endswith("[... 199980001 more characters cut: the grader keeps 20000 per cell]")
+    notes = {label: "\n".join(r.notes) for label, r in reports.items()}
+    assert "it sent more than 1 MB of results (the output limit) during cell 4" in notes["floods"]
+    assert "cell 4 hit the memory limit (1024 MB)" in notes["allocates"]
+    assert "cell 4 hit the file size limit (1 MB)" in notes["file"]
+    assert "it started more than 8 processes (the limit) during cell 4" in notes["forks"]
+
+
+@pytest.mark.slow
+def test_a_cell_that_catches_its_timeout_is_stopped_by_the_grader(tmp_path):
+    """The review's C15: a cell that catches CellTimeout ran until the fixed 900 s limit, and the
+    results of the cells before it were lost with it. A1.2's cell does it here."""
+    import grade_cheats as cheats
+    import time
+
+    a1 = nbformat.read(next(SOLUTIONS.glob("A1_*.ipynb")), as_version=4)  # A1.1 solved
+    next(c for c in a1.cells if "### BEGIN SOLUTION A1.2" in c.source).source = cheats.CATCHES_ITS_TIMEOUT
+    nbformat.write(a1, tmp_path / "A1_catches.ipynb")
+    started = time.monotonic()
+    report = grade_many([tmp_path / "A1_catches.ipynb"], tasks=["A1.1", "A1.2"], cell_timeout=3)[0]
+    assert time.monotonic() - started < 60
+    assert "ran past the time limit of 3 s per cell" in "\n".join(report.notes), report.text()
+    assert report.task("A1.2").passed == 0
+    assert report.task("A1.1").passed == report.task("A1.1").checks > 0, report.text()  # sent before the hang
+
+
+def test_a_batch_without_a_working_bubblewrap_is_refused_unless_asked_for(tmp_path, monkeypatch):
+    """The review's C19: a bwrap that fails (a stub first on PATH) dropped a batch to the process
+    level with no word anywhere."""
+    stub = tmp_path / "bin" / "bwrap"
+    stub.parent.mkdir()
+    stub.write_text("#!/bin/sh\necho 'bwrap: no permission to create namespaces' >&2\nexit 1\n")
+    stub.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{stub.parent}:{os.environ['PATH']}")
+    sandbox.probe.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="bubblewrap is not working here .bwrap failed .status 1.: bwrap: no "
+                                             "permission to create namespaces.*--allow-unsealed"):
+            grade_many([tmp_path / "A1_a.ipynb", tmp_path / "A1_b.ipynb"])
+        # one file, as a student grades their own: graded, and said so
+        report = grade_many([tmp_path / "A1_missing.ipynb"])[0]
+    finally:
+        sandbox.probe.cache_clear()
+    assert report.sandbox == "process" and "graded without bubblewrap" in report.text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("level", ["process"], indirect=True)
+def test_processes_a_submission_leaves_behind_are_killed_with_it(level, tmp_path, monkeypatch):
+    """The review's C10, C17: in the process level, a cell's children outlived the grading of
+    its file (a daemon then edited a hidden check). All three, the daemon too, are killed."""
+    import grade_cheats as cheats
+
+    cheats.let_past_the_rules(monkeypatch)
+    report = grade_many([a1_cheats(tmp_path, leaves=cheats.LEAVES_CHILDREN)["leaves"]], tasks=["A1.1"])[0]
+    pids = [int(p) for out in report.student_output.values() for p in out.split()]
+    assert len(pids) == 3 and report.sandbox == "process", report.text()
+    alive = [p for p in pids if os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split()[2] != "Z"]
+    assert not alive, alive
+
+
+@pytest.mark.slow
+def test_a_hang_in_one_task_loses_only_what_follows_it(tmp_path):
+    """The review's B23: A2.4's find_violations waits for a duplicated free-list entry to go
+    away; its hidden property check caught its CellTimeout as a failing example and ran on,
+    and the whole run was killed at 900 s with nothing reported: A2.1 to A2.3, correct, got 0.
+    Now the check fails at its limit, naming the line, and A2.4's other hidden check still runs."""
+    from test_grade import edited
+
+    path = tmp_path / "A2_hang.ipynb"
+    nbformat.write(edited("A2", [("    entries = Counter(b for table in tables for b in table.blocks)\n    on_free_list",
+                                  "    while len(set(allocator.free_list)) != len(allocator.free_list):\n        pass\n"
+                                  "    entries = Counter(b for table in tables for b in table.blocks)\n    on_free_list")]),
+                   path)
+    report = grade_many([path], cell_timeout=3)[0]
+    assert [t.task for t in report.tasks if t.ok] == ["A2.1", "A2.2", "A2.3", "A2"], report.text()
+    a24 = report.task("A2.4")
+    assert a24.hidden_passed == 1 and "check_find_violations" in "\n".join(a24.failures), report.text()
+    assert "raised CellTimeout: ran for more than 3 s at your A2.4 cell (cell 22)" in "\n".join(a24.failures)

@@ -116,6 +116,7 @@ def test_a_batch_grades_every_readable_file_and_gives_the_others_a_row(tmp_path)
     rows = {row["notebook"]: row for row in csv.DictReader(gradebook.open())}
     assert sorted(rows) == ["A1_good.ipynb", "A1_truncated.ipynb", "A1_unknown.ipynb", "A2_actually_A1.ipynb"]
     assert rows["A1_good.ipynb"]["status"] == "passed" and rows["A1_good.ipynb"]["checks passed"] != "0"
+    assert {row["sandbox"] for row in rows.values()} == {"bwrap"}  # .ci/run installs bubblewrap
     assert rows["A1_truncated.ipynb"]["status"] == "refused" and "unreadable" in rows["A1_truncated.ipynb"]["why"]
     assert "the notebook is A9's" in rows["A1_unknown.ipynb"]["why"]
     assert "the file name says A2 but the notebook is A1's" in rows["A2_actually_A1.ipynb"]["why"]
@@ -149,3 +150,63 @@ def test_a_course_handed_out_as_a_wheel_is_graded_outside_the_repository(tmp_pat
     done = grade("--solutions", str(course / "solutions"))
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.strip().splitlines()[-1].startswith("A1 (A1_mine.ipynb): 1/1 tasks passed")
+
+
+@pytest.mark.slow
+def test_no_file_stops_a_batch_and_its_neighbour_is_graded_as_alone(tmp_path, monkeypatch):
+    """Issue 46, item 3 (the review's C11, C12): a report with a list where a cell's index
+    belongs (TypeError in scoring), one nested past the JSON parser's depth, and a cell of 5,000
+    minus signs (RecursionError in the rules check) each ended the batch with no gradebook."""
+    cheats.let_past_the_rules(monkeypatch)
+    a1 = nbformat.read(next(SOLUTIONS.glob("A1_*.ipynb")), as_version=4)
+    paths = {}
+    for label, source in [("honest", None), ("minus", cheats.MINUS_SIGNS), ("index", cheats.FORGED_INDEX),
+                          ("nested", cheats.NESTED_REPORT)]:
+        paths[label] = tmp_path / f"A1_{label}.ipynb"
+        nbformat.write(cheats.cheat(a1, {"A1.1": source}) if source else a1, paths[label])
+    batch = dict(zip(paths, grade_many(list(paths.values()), tasks=["A1.1"], seed=7)))
+    alone = grade_many([paths["honest"]], tasks=["A1.1"], seed=7)[0]
+    assert batch["honest"].as_dict() == alone.as_dict() and alone.passed
+    (why,) = batch["minus"].refused
+    assert why.startswith("your A1.1 cell (cell 4) could not be checked: RecursionError: maximum recursion depth"), why
+    for label in ("index", "nested"):
+        report = batch[label]
+        assert not report.passed and report.task("A1.1").passed + report.task("A1.1").hidden_passed == 0, report.text()
+
+
+@pytest.mark.slow
+def test_a_result_that_compares_equal_to_anything_fails_the_hidden_check(tmp_path):
+    """The review's C05: A5.4's hidden check compared the student's values with `!=`, which
+    Python answers with the student's own `__ne__`; it compares plain data now."""
+    a5 = nbformat.read(next(SOLUTIONS.glob("A5_*.ipynb")), as_version=4)
+    nbformat.write(cheats.cheat(a5, {"A5.4": cheats.AGREES_WITH_EVERYTHING}), tmp_path / "A5_anything.ipynb")
+    report = grade_many([tmp_path / "A5_anything.ipynb"], tasks=["A5.4"])[0]
+    assert not report.refused and report.task("A5.4").hidden == 1 and report.task("A5.4").hidden_passed == 0, report.text()
+    assert "expected plain data" in report.text()
+
+
+def lookup_table(seed: int) -> str:
+    """A5.4's serve as a table of the library's answers to the hidden workloads drawn from
+    ``seed``: what the review's C06 built from the public workloads, offline."""
+    from pagedlab_course.grade.batch import _reference
+
+    source = (HIDDEN / "A5.py").read_text()
+    served = json.loads(_reference("<pagedlab check A5.py>", source, "check_other_workloads_beside_the_library", seed))
+    table = {repr(item["case"][1]): {**item["expected"], "leaked": (0, 0)} for item in served}
+    return (f"TABLE = {table!r}\n\n\ndef serve(workload, num_gpu_blocks, block_size=4, num_cpu_blocks=0, **config):\n"
+            f"    return TABLE[repr([[rid, list(p), m] for rid, p, m in workload])]\n")
+
+
+@pytest.mark.slow
+def test_hidden_workloads_are_drawn_from_a_seed_each_report_records(tmp_path):
+    """Issue 46, item 2 (the review's C06): serve as a lookup table of the public hidden workloads
+    passed A5.4's hidden check. They are drawn at grading time from a seed the grader picks and
+    records: a table made for one seed earns nothing at another, and the seed reproduces a grade."""
+    path = tmp_path / "A5_table.ipynb"
+    a5 = nbformat.read(next(SOLUTIONS.glob("A5_*.ipynb")), as_version=4)
+    nbformat.write(cheats.cheat(a5, {"A5.4": lookup_table(1)}), path)
+    made_for, other = (grade_many([path], tasks=["A5.4"], seed=seed)[0] for seed in (1, 2))
+    assert made_for.seed == 1 and made_for.task("A5.4").hidden_passed == 1, made_for.text()
+    assert other.seed == 2 and other.task("A5.4").hidden_passed == 0, other.text()
+    drawn = {grade_many([tmp_path / "A5_missing.ipynb"])[0].seed for _ in range(2)}
+    assert len(drawn) == 2 and None not in drawn

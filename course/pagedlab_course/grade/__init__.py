@@ -31,8 +31,9 @@ __all__ = ["HIDDEN", "SOLUTIONS", "grade", "grade_many", "hidden_sources", "task
 def task(name: str, reference=None):
     """Mark a function as a hidden check of task ``name`` ("A2.1", or "A2" for the whole).
 
-    ``reference``, a function of the same file with no arguments, computes what the check
-    compares with: the grader calls it in its own process, where no student code runs (a
+    ``reference``, a function of the same file with no arguments (or one: the batch's seed,
+    drawn at grading time and recorded in each report, to draw the check's cases from, so that a
+    table of answers to the public cases earns nothing), computes what the check compares with: the grader calls it in its own process, where no student code runs (a
     submission cannot change the library it uses), once per file however many submissions it
     grades, and passes its value (plain data: JSON turns tuples into lists) to the check as a
     second argument."""

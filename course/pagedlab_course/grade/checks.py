@@ -48,7 +48,9 @@ class Diverged(AssertionError):
 
 
 def expect(step: int, op: str, what: str, expected, actual) -> None:
-    """Fail with the first diverging operation, expected and actual labelled."""
+    """Fail with the first diverging operation, expected and actual labelled; ``actual`` (the
+    student's) is compared as plain data, so its own ``==`` and ``!=`` are never asked."""
+    actual = plain(actual)
     if expected != actual:
         raise Diverged(f"operation {step}, {op}: {what}\n    expected: {expected!r}\n    actual:   {actual!r}")
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import nbformat
 
-from pagedlab_course.assignments import BEGIN, task_id
+from pagedlab_course.assignments import BEGIN, END, task_id
 from pagedlab_course.grade.rules import bound_names, free_names
 
 # the reference notebooks: the course repository's, where the grader runs (`--solutions` elsewhere)
@@ -165,7 +165,7 @@ def assemble(assignment: Assignment, nb: nbformat.NotebookNode) -> Submission:
                     f"cells {', '.join(map(str, where))} are all the {ref.task} solution cell (a copied cell "
                     f"keeps its metadata): delete all but the one you want graded")
                 continue
-            mine = _solution_cell(ref, code)
+            mine = _solution_cell(ref, [c for c in code if id(c) not in used], assignment)
             if mine is None:
                 refusals.append(
                     f"no solution cell for {ref.task} (the cell that held `raise NotImplementedError"
@@ -197,9 +197,9 @@ def assemble(assignment: Assignment, nb: nbformat.NotebookNode) -> Submission:
     return Submission(cells, refusals, notes)
 
 
-def _solution_cell(ref: Cell, code: list) -> nbformat.NotebookNode | None:
+def _solution_cell(ref: Cell, code: list, assignment: Assignment) -> nbformat.NotebookNode | None:
     """The submitted cell for a reference solution cell: by the grader's metadata, its cell id,
-    or (a notebook that lost both) the stub or markers naming its first task."""
+    the stub or markers naming its first task, or (a notebook that lost all three) its content."""
     for cell in code:
         if cell.metadata.get("pagedlab", {}).get("solution") == ref.task:
             return cell
@@ -210,4 +210,24 @@ def _solution_cell(ref: Cell, code: list) -> nbformat.NotebookNode | None:
     for cell in code:
         if f"NotImplementedError('{first}:" in cell.source or f"BEGIN SOLUTION {first}:" in cell.source:
             return cell
+    others = [c.source for c in assignment.cells if c.kind != "solution"]
+    unclaimed = [c for c in code if not c.metadata.get("pagedlab", {}).get("solution")
+                 and not any(_same(c.source, other) for other in others)]
+    return _by_content(ref, unclaimed)
+
+
+def _by_content(ref: Cell, code: list) -> nbformat.NotebookNode | None:
+    """The cell holding most of the lines the reference cell keeps around its solution regions
+    (its ``class``/``def`` lines, docstrings, the assignments after them), if it holds at least
+    half of them and more than any other cell: what an editor that strips metadata leaves."""
+    kept, inside = set(), False
+    for line in ref.source.splitlines():
+        if BEGIN.match(line) or END.match(line):
+            inside = bool(BEGIN.match(line))
+        elif not inside and line.strip():
+            kept.add(line.strip())
+    found = sorted(((len(kept & {line.strip() for line in c.source.splitlines()}), i) for i, c in enumerate(code)),
+                   reverse=True)
+    if found and 2 * found[0][0] >= len(kept) > 0 and (len(found) == 1 or found[1][0] < found[0][0]):
+        return code[found[0][1]]
     return None

@@ -45,6 +45,8 @@ class Report:
     notes: list[str] = field(default_factory=list)
     setup_mismatches: list[str] = field(default_factory=list)  # the notebook's own cells (CI)
     student_output: dict[str, str] = field(default_factory=dict)
+    sandbox: str = ""  # "bwrap", or "process": run without bubblewrap's seal (see grade/sandbox.py)
+    seed: int | None = None  # what the hidden checks drew their cases from (--seed reproduces a grade)
 
     @property
     def passed(self) -> bool:
@@ -72,6 +74,9 @@ class Report:
             lines.append(t.line())
             lines += [f"    {f}" for f in t.refused + t.library_use + t.failures]
         lines += [f"note: {n}" for n in self.notes]
+        if self.sandbox == "process":
+            lines.append("note: graded without bubblewrap (sandbox level 'process'): only the rules protected the "
+                         "grader's files and other submissions")
         for where, out in self.student_output.items():
             shown = out.rstrip().splitlines()
             lines.append(f"note: your code printed {len(shown)} line(s) during {where} (shown, not graded)")
@@ -92,6 +97,8 @@ def _readable(where: str, cells: dict[int, Cell]) -> str:
     if not m:
         return where
     index, task, line = int(m[1]), m[2], m[3]
+    if index not in cells:  # the worker's claim, unverified: shown as it came
+        return where
     if task:
         return f"your {task} cell (cell {index}), line {line}"
     return f"cell {index} ('{cells[index].title}'), line {line}"
@@ -99,7 +106,7 @@ def _readable(where: str, cells: dict[int, Cell]) -> str:
 
 def _error_text(error: dict, cells: dict[int, Cell]) -> str:
     where = f" at {_readable(error['where'], cells)}" if error.get("where") else ""
-    return f"raised {error['type']}: {error['message']}{where}"
+    return f"raised {error.get('type', 'an error')}: {error.get('message', '')}{where}"
 
 
 def _diff(expected: str, actual: str, limit: int = 6) -> str:
@@ -125,7 +132,8 @@ def score(assignment: Assignment, cells: list[Cell], result: dict, notebook: str
     by_index = {c.index: c for c in cells}
     crash = result.get("crash") if isinstance(result, dict) else "the worker sent no results"
     missing = f"did not run: {crash}" if crash else "did not run: the submission's process reported nothing for it"
-    outs = {o.get("index"): o for o in _list(result, "cells") if isinstance(o, dict)}
+    outs = {o["index"]: o for o in _list(result, "cells")  # an index the worker made up is dropped
+            if isinstance(o, dict) and type(o.get("index")) is int and o["index"] in by_index}
     for cell in cells:
         out = outs.get(cell.index)
         if out is None:
@@ -160,7 +168,7 @@ def score(assignment: Assignment, cells: list[Cell], result: dict, notebook: str
         if h is not None and h.get("error") is None:
             s.hidden_passed += 1
             continue
-        doc = f" ({h['doc']})" if h and h.get("doc") else ""
+        doc = f" ({str(h['doc'])[:500]})" if h and h.get("doc") else ""
         why = _error_text({k: str(v) for k, v in h["error"].items()}, by_index) if h and isinstance(h.get("error"), dict) else missing
         s.failures.append(f"failing hidden check: {name}{doc}\n      {why}")
     for v in _list(result, "violations"):
@@ -175,6 +183,7 @@ def score(assignment: Assignment, cells: list[Cell], result: dict, notebook: str
     for task, breaches in (refused or {}).items():
         scores.setdefault(task, TaskScore(task)).refused += breaches
     report.tasks = list(scores.values())
+    report.notes += [n for n in _list(result, "notes") if isinstance(n, str)]
     return report
 
 

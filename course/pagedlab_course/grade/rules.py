@@ -83,9 +83,14 @@ def free_names(source: str) -> set[str]:
 
 
 def _top_level(stmt):
-    """The nodes of a statement that bind at module level (not inside a def or class)."""
+    """The nodes of a statement that bind at module level: not inside a def or class, nor a
+    comprehension's own variables (Python 3 binds them in the comprehension), but an assignment
+    expression inside a comprehension (it binds outside)."""
     yield stmt
     if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+        return
+    if isinstance(stmt, (ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)):
+        yield from (node.target for node in ast.walk(stmt) if isinstance(node, ast.NamedExpr))
         return
     for child in ast.iter_child_nodes(stmt):
         yield from _top_level(child)

@@ -1,30 +1,36 @@
 """The process a submission runs in: fresh, its own, in an empty scratch directory with a clean
-environment, and, where bubblewrap can make Linux namespaces, sealed off from the machine.
+environment, with resource limits (``Limits``) set before its code starts, and, where bubblewrap
+can make Linux namespaces, sealed off from the machine.
 
-Two levels, chosen by a check that runs bubblewrap once (``level()``):
+Two levels, chosen by a check that runs bubblewrap once (``probe()``):
 
 - ``bwrap``: the worker sees a read-only view of the interpreter, the installed packages and
   the ``pagedlab`` and ``pagedlab_course`` packages (without the hidden checks), a private writable ``/tmp`` and
-  ``/scratch`` that vanish with it, no network, its own process ids (it cannot see or signal
-  the grader or another submission) and nothing else: not the references, an instructor's
-  checks, the submissions or the home directory. It dies with the grader.
+  ``/scratch`` of a fixed size that vanish with it, no network, its own process ids (it cannot
+  see or signal the grader or another submission) and nothing else: not the references, an
+  instructor's checks, the submissions or the home directory. It dies with the grader.
 - ``process``: where bubblewrap is absent or cannot create namespaces (some containers and CI
   runners). A fresh process per submission, a new session, an empty temporary working
   directory and a clean environment; it runs with the grader's user, so the files it could
   write are protected only by the static rules (``pagedlab_course.grade.rules``) and detected after
   the fact: the grader compares digests of the package, the references and the instructor's
-  checks before and after each submission and refuses to go on if one changed.
+  checks before and after a batch and refuses to go on if one changed. A batch is graded at
+  this level only when the instructor asks (``--allow-unsealed``), and every report says so.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import importlib.util
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 # The two packages the worker imports, wherever they are installed: the library the students
@@ -59,9 +65,10 @@ def _readable() -> list[str]:
     return sorted(p for p in paths if os.path.exists(p))
 
 
-def bwrap_command(argv: list[str]) -> list[str]:
-    cmd = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--clearenv",
-           "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/scratch", "--chdir", "/scratch"]
+def bwrap_command(argv: list[str], sizes: list[str] = ()) -> list[str]:
+    """bubblewrap's command line for ``argv``; ``sizes`` (``--size BYTES``) caps each tmpfs."""
+    cmd = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--clearenv", "--proc", "/proc",
+           "--dev", "/dev", *sizes, "--tmpfs", "/tmp", *sizes, "--tmpfs", "/scratch", "--chdir", "/scratch"]
     for system in ("/usr", "/bin", "/lib", "/lib64", "/sbin", "/etc"):
         if os.path.islink(system):
             cmd += ["--symlink", os.readlink(system), system]
@@ -78,32 +85,156 @@ def bwrap_command(argv: list[str]) -> list[str]:
 
 
 @functools.lru_cache(maxsize=None)
-def level() -> str:
-    """'bwrap' if bubblewrap runs a sealed python here, else 'process'."""
-    if os.environ.get("PAGEDLAB_GRADE_SANDBOX") == "process" or shutil.which("bwrap") is None:
-        return "process"
+def probe() -> tuple[str, str]:
+    """('bwrap', '') if bubblewrap runs a sealed python here, else ('process', why not)."""
+    if os.environ.get("PAGEDLAB_GRADE_SANDBOX") == "process":
+        return "process", "PAGEDLAB_GRADE_SANDBOX=process asks for it"
+    if shutil.which("bwrap") is None:
+        return "process", "bwrap is not installed"
     try:
         done = subprocess.run(bwrap_command([sys.executable, "-c", "print('ok')"]), capture_output=True,
                               text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired):
-        return "process"
-    return "bwrap" if done.returncode == 0 and done.stdout.strip() == "ok" else "process"
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return "process", f"bwrap did not run: {type(err).__name__}: {err}"
+    if done.returncode == 0 and done.stdout.strip() == "ok":
+        return "bwrap", ""
+    return "process", f"bwrap failed (status {done.returncode}): {done.stderr.strip()[-300:]}"
 
 
-def run(argv: list[str], stdin: str, timeout: float) -> tuple[int | None, str, str]:
+def level() -> str:
+    """'bwrap' or 'process': see the module's docstring."""
+    return probe()[0]
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one submission's process may take, set by the grader before the worker's code runs
+    (resource limits, inherited and never raised again without privileges) or watched from the
+    grader's side (processes, output, time)."""
+
+    memory_mb: int = 4096  # RLIMIT_DATA: the heap and private mappings, not a GPU's address space
+    file_mb: int = 64  # RLIMIT_FSIZE: any one file written
+    scratch_mb: int = 256  # bwrap's /tmp and /scratch (tmpfs)
+    processes: int = 64  # counted by the grader from outside (RLIMIT_NPROC does not bind root)
+    output_mb: int = 16  # the results read from the worker
+
+    def rlimits(self) -> dict[str, int]:
+        return {"RLIMIT_DATA": self.memory_mb << 20, "RLIMIT_FSIZE": self.file_mb << 20, "RLIMIT_CORE": 0}
+
+
+# Sets the limits in the child, then becomes the command: nothing of the grader's runs after it.
+_LIMITED = ("import os, resource, sys\n"
+            "for name, value in {}.items():\n"
+            "    resource.setrlimit(getattr(resource, name), (value, value))\n"
+            "os.execv(sys.argv[1], sys.argv[1:])\n")
+
+
+WORKERS: set[int] = set()  # the workers running now; any other child of the grader is an orphan of one
+_CHILDREN = threading.Lock()  # held while a worker starts or orphans are looked for
+
+
+@functools.lru_cache(maxsize=None)
+def _adopt_orphans() -> bool:
+    """Make the grader the parent of every process its workers orphan (Linux's child subreaper),
+    however it forked and whatever session it made, so that ``stop`` finds it."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        return False
+
+
+def start(argv: list[str], scratch: str, limits: Limits) -> subprocess.Popen:
+    """``argv`` started at the best level with ``limits``, in a session of its own, its stdin,
+    stdout and stderr pipes (bytes)."""
+    if level() == "bwrap":
+        sizes = ["--size", str(limits.scratch_mb << 20)]
+        cmd, env = bwrap_command(argv, sizes), None
+    else:
+        cmd, env = argv, _env(scratch)
+    cmd = [sys.executable, "-c", _LIMITED.format(limits.rlimits()), shutil.which(cmd[0]) or cmd[0], *cmd[1:]]
+    _adopt_orphans()
+    with _CHILDREN:
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                env=env, cwd=scratch, start_new_session=True)
+        WORKERS.add(proc.pid)
+    return proc
+
+
+def _stat(pid) -> list[str] | None:
+    """/proc/PID/stat's fields after the command's name (state, parent, ...), or None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _children() -> dict[int, dict[int, str]]:
+    """Every process's children (from /proc), each with its start time, which tells it from a
+    later process given the same id."""
+    children: dict[int, dict[int, str]] = {}
+    for entry in os.scandir("/proc"):
+        fields = _stat(entry.name) if entry.name.isdigit() else None
+        if fields:
+            children.setdefault(int(fields[1]), {})[int(entry.name)] = fields[19]
+    return children
+
+
+def descendants(pid: int, children: dict[int, dict[int, str]] | None = None) -> dict[int, str]:
+    """The processes below ``pid`` (the sandbox's show with the host's ids), with start times."""
+    children = _children() if children is None else children
+    found, todo = {}, [pid]
+    while todo:
+        below = children.get(todo.pop(), {})
+        found.update(below)
+        todo += below
+    return found
+
+
+def stop(proc: subprocess.Popen, seen: dict[int, str] | None = None) -> None:
+    """Kill the process, its session's group, every process below it or ``seen`` below it
+    before, and every orphan the grader adopted, and wait for them. Where the kernel lets the
+    grader adopt orphans (Linux), nothing a submission started outlives it; elsewhere a process
+    that left the session and its parent between two looks escapes in the ``process`` level.
+    Under bwrap everything dies with the sandbox's pid namespace anyway."""
+    _kill({**(seen or {}), **descendants(proc.pid)})
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except OSError:
+        pass
+    proc.wait()
+    with _CHILDREN:
+        WORKERS.discard(proc.pid)
+        children = _children()
+        orphans = {pid: started for pid, started in children.get(os.getpid(), {}).items() if pid not in WORKERS}
+        _kill({**orphans, **{p: t for pid in orphans for p, t in descendants(pid, children).items()}})
+        for pid in orphans:
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
+
+
+def _kill(processes: dict[int, str]) -> None:
+    """SIGKILL each process that is still the one with that start time (not a later one given its id)."""
+    for pid, started in processes.items():
+        fields = _stat(pid)
+        if fields and fields[19] == started:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def run(argv: list[str], stdin: str, timeout: float, limits: Limits = Limits()) -> tuple[int | None, str, str]:
     """Run ``argv`` sealed at the best level: (exit status or None if it ran past ``timeout``
     and was killed, stdout, stderr)."""
     with tempfile.TemporaryDirectory(prefix="pagedlab-grade-") as scratch:
-        if level() == "bwrap":
-            cmd, env, cwd = bwrap_command(argv), None, scratch
-        else:
-            cmd, env, cwd = argv, _env(scratch), scratch
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, env=env, cwd=cwd, start_new_session=True)
+        proc = start(argv, scratch, limits)
         try:
-            out, err = proc.communicate(stdin, timeout=timeout)
-            return proc.returncode, out, err
+            out, err = proc.communicate(stdin.encode(), timeout=timeout)
+            status = proc.returncode
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            out, err = proc.communicate()
-            return None, out, err
+            status, out, err = None, b"", b""
+        stop(proc)
+        return status, out.decode(errors="replace"), err.decode(errors="replace")

@@ -1,5 +1,6 @@
 """The process that runs one submission: ``python -m pagedlab_course.grade.worker`` (sealed by
-pagedlab_course.grade.sandbox) reads a job on stdin and writes its results as JSON on stdout.
+pagedlab_course.grade.sandbox) reads a job on stdin and writes its results on stdout, a JSON line
+as each cell and hidden check begins and ends (read by pagedlab_course.grade.supervise).
 
 The job holds everything the run needs (cells, hidden checks' sources, forbidden library
 names), so the process needs no file of the grader's. Its cells run in order in one namespace,
@@ -38,8 +39,35 @@ class Notebook(types.SimpleNamespace):
         return "nb"
 
 
-class CellTimeout(Exception):
-    """A cell or hidden check ran past its time limit (an infinite loop, usually)."""
+class CellTimeout(BaseException):
+    """A cell or hidden check ran past its time limit (an infinite loop, usually). Not an
+    Exception: the notebooks' ``error()``, the checks' ``outcome()`` and Hypothesis catch those,
+    and would run on (the grader stops a run that does anyway)."""
+
+
+class Capped(io.StringIO):
+    """A cell's printed output, kept up to ``limit`` characters; the rest is counted and cut
+    with a note (a cell that prints 200 MB costs the grader nothing)."""
+
+    def __init__(self, limit: int):
+        super().__init__()
+        self.limit, self.cut = limit, 0
+
+    def write(self, text):
+        room = max(0, self.limit - self.tell())
+        self.cut += max(0, len(text) - room)
+        return super().write(text[:room]) + max(0, len(text) - room)
+
+    def getvalue(self):
+        note = f"\n[... {self.cut} more characters cut: the grader keeps {self.limit} per cell]" if self.cut else ""
+        return super().getvalue() + note
+
+
+CHECK_OUTPUT, STUDENT_OUTPUT = 1_000_000, 20_000  # characters kept per cell
+
+
+def _buffers() -> tuple[Capped, Capped]:
+    return Capped(CHECK_OUTPUT), Capped(STUDENT_OUTPUT)
 
 
 class Run:
@@ -49,10 +77,10 @@ class Run:
         self.solution_files: dict[str, str] = {}  # cell filename -> task, student code only
         self.check_files: set[str] = set()  # check cells and hidden-check files
         self.violations: list[dict] = []
-        self.out = io.StringIO()  # what check code prints: compared with the reference
-        self.student_out = io.StringIO()  # what the student's code prints: shown, never compared
+        self.out, self.student_out = _buffers()  # what check code prints (compared), the student's (shown)
         self.namespace: dict = {}  # the notebook's names
         self.classes: set = set()  # library classes the assignment forbids
+        self.stream = None  # the results, to the grader (a line per cell or hidden check)
 
     def student_task(self, frame) -> str | None:
         """The task of the nearest notebook code on the stack, if that code is the student's."""
@@ -288,7 +316,7 @@ def _run_cell(cell: dict, job: dict) -> dict:
     else:
         RUN.check_files.add(filename)
     before = bindings(namespace, classes) if cell["kind"] == "solution" and classes else {}
-    RUN.out, RUN.student_out = io.StringIO(), io.StringIO()
+    RUN.out, RUN.student_out = _buffers()
     result = {"index": cell["index"], "error": None}
     try:
         code = compile(cell["source"], filename, "exec")
@@ -312,13 +340,17 @@ def _run_cell(cell: dict, job: dict) -> dict:
     return result
 
 
-def _finish(job: dict, cells: list[dict]) -> dict:
-    """After a job's cells: its hidden checks, and its whole result."""
-    found, hidden = hidden_checks(job["assignment"], job["hidden"])
+def _hidden(job: dict) -> None:
+    """After a job's cells: its hidden checks, each sent as it ends."""
+    _send(begin="loading the hidden checks")
+    found, broken = hidden_checks(job["assignment"], job["hidden"])
+    for entry in broken:
+        _send(hidden=entry)
     found = [(path, fn, args) for path, fn, args in found if not job["only"] or fn.__grade_task__ in job["only"]]
     RUN.check_files.update(path for path, _, _ in found)
     for path, fn, args in found:
-        RUN.out, RUN.student_out = io.StringIO(), io.StringIO()
+        _send(begin=f"the hidden check {fn.__name__}")
+        RUN.out, RUN.student_out = _buffers()
         entry = {"name": fn.__name__, "task": fn.__grade_task__, "file": path,
                  "doc": " ".join((fn.__doc__ or "").strip().split("\n\n")[0].split()), "error": None}
         state = library_state()
@@ -331,18 +363,26 @@ def _finish(job: dict, cells: list[dict]) -> dict:
         except BaseException as exc:  # noqa: BLE001
             entry["error"] = _error(exc, set(RUN.solution_files) | RUN.check_files)
         _changed(state, fn.__grade_task__, f" during the hidden check {fn.__name__}")
-        hidden.append(entry)
-    return {"cells": cells, "hidden": hidden, "violations": RUN.violations}
+        _send(hidden=entry)
+
+
+def _send(**item) -> None:
+    """One line of results to the grader, with the library uses found since the last."""
+    item["violations"], RUN.violations = RUN.violations, []
+    RUN.stream.write(json.dumps(item) + "\n")
+    RUN.stream.flush()
 
 
 def main() -> None:
     job = json.load(sys.stdin)
-    report = os.fdopen(os.dup(1), "w")
+    RUN.stream = os.fdopen(os.dup(1), "w")
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # output that bypasses sys.stdout goes nowhere
     _start(job["forbid"])
-    cells = [_run_cell(cell, job) for cell in job["cells"]]
-    report.write(json.dumps(_finish(job, cells)))
-    report.close()
+    for cell in job["cells"]:
+        _send(begin=f"cell {cell['index']}")
+        _send(cell=_run_cell(cell, job))
+    _hidden(job)
+    _send(done=True)
 
 
 if __name__ == "__main__":

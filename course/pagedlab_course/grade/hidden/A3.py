@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pagedlab_course.grade import task
-from pagedlab_course.grade.checks import GRADING, expect
+from pagedlab_course.grade.checks import GRADING, expect, plain
 from pagedlab.memory import KVCacheManager, OutOfBlocks, block_key
 
 tokens = st.lists(st.integers(0, 3), max_size=20)
@@ -23,8 +23,8 @@ def check_keys_match_the_library(nb, token_ids, bs):
     for start in range(0, len(token_ids) - bs + 1, bs):
         key = block_key(key, tuple(token_ids[start : start + bs]))
         expected.append(key)
-    assert nb.block_keys(token_ids, bs) == expected, f"keys of {token_ids} in blocks of {bs}"
-    nested = nb.block_keys(token_ids, bs, key_fn=lambda parent, t: (parent, tuple(t)))
+    assert plain(nb.block_keys(token_ids, bs)) == expected, f"keys of {token_ids} in blocks of {bs}"
+    nested = plain(nb.block_keys(token_ids, bs, key_fn=lambda parent, t: (parent, tuple(t))))
     chain, key = [], None
     for start in range(0, len(token_ids) - bs + 1, bs):
         key = (key, tuple(token_ids[start : start + bs]))
@@ -54,7 +54,7 @@ def check_lookup_under_collisions(nb, inserted, lookups, bs, keys):
             tokens_of.setdefault(blocks[i], tuple(seq[i * bs : (i + 1) * bs]))
     for prompt in lookups:
         state = (dict(index.block_of), dict(index.entry))
-        hits = index.lookup(prompt)
+        hits = plain(index.lookup(prompt))
         where = f"{keys}, blocks of {bs}: after inserting {inserted}, lookup({prompt})"
         assert (dict(index.block_of), dict(index.entry)) == state, f"{where} changed the index"
         for i, b in enumerate(hits):

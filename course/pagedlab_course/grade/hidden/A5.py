@@ -2,9 +2,11 @@
 pagedlab's Scheduler, which the grader runs in its own process (``task(reference=...)``): a
 submission cannot change the reference it is compared with."""
 
+import itertools
 import random
+from collections import deque
 
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from pagedlab_course.grade import task
@@ -16,11 +18,14 @@ from pagedlab.memory import KVCacheManager
 
 @task("A5.1")
 @GRADING
+@example([12, 12, 12], 10, 5, 64, 0.1)  # the third fits exactly beside the watermark's block
+@example([12], 4, 1, 8, 0.25)  # exactly, one block kept, the budget exceeded by a first request
 @given(st.lists(st.integers(1, 30), min_size=1, max_size=8), st.integers(4, 40), st.integers(1, 5),
        st.integers(8, 64), st.sampled_from([0.0, 0.1, 0.25]))
 def check_admission_rules(nb, prompts, num_blocks, seats, budget, watermark):
     """One admission from a random queue: first come, first served, stopping at the first
-    request that lacks blocks (beyond the watermark), a seat or budget (unless the batch is empty)."""
+    request that lacks blocks (beyond the watermark), a seat or budget (unless the batch is empty);
+    a request whose blocks fit exactly is admitted."""
     sched = nb.MiniScheduler(KVCacheManager(num_blocks, 4), seats, budget, watermark=watermark)
     for i, n in enumerate(prompts):
         sched.add(f"r{i}", [i] * n, 4)
@@ -37,6 +42,29 @@ def check_admission_rules(nb, prompts, num_blocks, seats, budget, watermark):
                              f"watermark {watermark}\n    expected admitted: {expected}\n    actual:            {got}")
 
 
+@task("A5.2")
+def check_recompute_keeps_arrival_order(nb):
+    """Running requests preempted by recomputation in every order (swap mode falls back to it
+    for an earlier arrival after a later one was swapped out): each victim's blocks are freed,
+    it is recorded, and the waiting queue stays in order of arrival."""
+    for order in itertools.permutations(range(3)):
+        manager = KVCacheManager(16, 4)
+        sched = nb.MiniScheduler(manager, 8, 64)
+        requests = [sched.add(f"r{i}", [i] * 5, 4) for i in range(4)]  # r3 is still waiting
+        for req in requests[:3]:
+            manager.allocate(req.rid, req.tokens)
+            req.status = "running"
+        sched.waiting, sched.running = deque(requests[3:]), list(requests[:3])
+        step = nb.Step(1)
+        for i in order:
+            sched.running.remove(requests[i])
+            sched.recompute(requests[i], step)
+        where = f"r0, r1, r2 running, r3 waiting; recompute {', '.join(f'r{i}' for i in order)}"
+        expect(0, where, "waiting queue", ["r0", "r1", "r2", "r3"], plain([r.rid for r in sched.waiting]))
+        expect(0, where, "step.preempted", [(f"r{i}", "recompute") for i in order], plain(step.preempted))
+        expect(0, where, "blocks in use", 0, manager.num_used_blocks)
+
+
 def _workload(rng, n):
     return [(f"q{i}", [rng.randrange(1000) for _ in range(rng.randint(1, 14))], rng.randint(1, 20))
             for i in range(n)]
@@ -46,16 +74,18 @@ def _library_run(workload, blocks, block_size, cpu, config, limit=500):
     """The workload served by pagedlab's Scheduler with whole prompts: each step's [prefills,
     decodes, preempted, swapped in, blocks copied], and serve's counts. Computed by the grader
     (``task(reference=...)``), where no student code runs."""
-    lib = Scheduler(KVCacheManager(blocks, block_size, cpu),
+    kv = KVCacheManager(blocks, block_size, cpu)
+    lib = Scheduler(kv,
                     SchedulerConfig(chunked_prefill=False, max_num_seqs=config["max_num_seqs"],
                                     max_num_batched_tokens=config["max_num_batched_tokens"],
                                     watermark=config["watermark"], preemption_mode=config["mode"]))
     for rid, prompt, max_tokens in workload:
         lib.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens))
     steps, finish, preemptions = [], {}, {rid: 0 for rid, _, _ in workload}
-    recomputed, copied = -sum(len(p) for _, p, _ in workload), 0
+    recomputed, copied, peak, peak_cpu = -sum(len(p) for _, p, _ in workload), 0, 0, 0
     while lib.has_unfinished and len(steps) < limit:
         step = lib.schedule()
+        peak, peak_cpu = max(peak, kv.num_used_blocks), max(peak_cpu, kv.cpu.num_used)
         rid = {seq.seq_id: g.request_id for g in step.groups for seq in g.seqs}
         s = step.stats
         steps.append([[rid[c.seq.seq_id] for c in step.prefills], [rid[c.seq.seq_id] for c in step.decodes],
@@ -68,14 +98,15 @@ def _library_run(workload, blocks, block_size, cpu, config, limit=500):
                                  for g in step.groups]):
             finish[group.request_id] = len(steps) - 1
     return {"steps": steps, "finish_steps": finish, "preemptions": preemptions, "recomputed": recomputed,
-            "blocks_copied": copied}
+            "blocks_copied": copied, "peak_blocks": peak, "peak_cpu_blocks": peak_cpu}
 
 
-def _other_workloads():
-    """Ten seeded workloads and configurations for serve (A5.4)."""
+def _other_workloads(seed):
+    """Ten workloads and configurations for serve (A5.4), drawn from the grading seed (a table of
+    precomputed answers earns nothing), and one of a single request."""
     cases = []
-    for seed in range(10):
-        rng = random.Random(seed)
+    for number in range(10):
+        rng = random.Random(f"A5.4 {seed} {number}")
         workload = _workload(rng, rng.randint(3, 10))
         bs = rng.choice([2, 4])
         longest = max(len(p) + m for _, p, m in workload)
@@ -83,26 +114,37 @@ def _other_workloads():
         config = dict(block_size=bs, max_num_seqs=rng.randint(1, 5), max_num_batched_tokens=rng.choice([16, 32, 64]),
                       watermark=rng.choice([0.0, 0.1]), mode=rng.choice(["recompute", "swap"]))
         cpu = rng.choice([0, 4, 64]) if config["mode"] == "swap" else 0
-        cases.append((seed, workload, blocks, cpu, config))
+        cases.append((number, workload, blocks, cpu, config))
+    # The smallest run whose peak comes in the step where a request finishes (and frees it).
+    cases.append((10, [("q0", [1, 2, 3, 4], 1)], 2, 0, dict(block_size=4, max_num_seqs=1, max_num_batched_tokens=16,
+                                                             watermark=0.0, mode="recompute")))
     return cases
 
 
-def _served_by_the_library():
-    runs = [_library_run(workload, blocks, config["block_size"], cpu, config, limit=10**6)
-            for _, workload, blocks, cpu, config in _other_workloads()]
-    return [{**{k: v for k, v in run.items() if k != "steps"}, "steps": len(run["steps"])} for run in runs]
+def _served_by_the_library(seed):
+    """Each case drawn from ``seed``, with the library's counts for it."""
+    served = []
+    for case in _other_workloads(seed):
+        number, workload, blocks, cpu, config = case
+        run = _library_run(workload, blocks, config["block_size"], cpu, config, limit=10**6)
+        served.append({"case": case, "expected": {**{k: v for k, v in run.items() if k != "steps"},
+                                                  "steps": len(run["steps"])}})
+    return served
 
 
 @task("A5.4", reference=_served_by_the_library)
 def check_other_workloads_beside_the_library(nb, library):
-    """Ten seeded workloads and configurations (block sizes, seat caps, budgets, watermarks,
-    both preemption modes): the same finish steps, preemptions, recomputed tokens and copies."""
-    for (seed, workload, blocks, cpu, config), theirs in zip(_other_workloads(), library):
-        ours = nb.serve([(rid, list(p), m) for rid, p, m in workload], blocks, num_cpu_blocks=cpu, **dict(config))
-        for key in theirs:
-            expect(seed, f"serve(seeded workload {seed}, {blocks} GPU / {cpu} CPU blocks, {config})",
-                   key, theirs[key], ours[key])
-        expect(seed, "the same run", "leaked (GPU, CPU) blocks", (0, 0), ours["leaked"])
+    """Ten workloads and configurations drawn at grading time (block sizes, seat caps, budgets,
+    watermarks, both preemption modes) and a single request: the same finish steps, preemptions,
+    recomputed tokens, copies and peak GPU and CPU blocks, compared as plain data."""
+    for item in library:
+        number, workload, blocks, cpu, config = item["case"]
+        ours = plain(nb.serve([(rid, list(p), m) for rid, p, m in workload], blocks, num_cpu_blocks=cpu, **dict(config)))
+        for key, theirs in item["expected"].items():
+            expect(number, f"serve(workload {number}: {[(rid, len(p), m) for rid, p, m in workload]} (request, "
+                           f"prompt length, max tokens), {blocks} GPU / {cpu} CPU blocks, {config})",
+                   key, theirs, ours.get(key))
+        expect(number, "the same run", "leaked (GPU, CPU) blocks", (0, 0), ours.get("leaked"))
 
 
 def _small_workloads(count):
