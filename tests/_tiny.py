@@ -101,3 +101,18 @@ def tiny_over_smollm2_tokenizer():
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     return tokenizer, from_hf(tiny_hf("qwen2-mqa-d32-tied", vocab_size=len(tokenizer)))
+
+
+def lose_device_at(llm, step: int) -> list:
+    """Make ``llm``'s runner raise "device lost" on its ``step``-th step from now: a step that
+    fails for no one request's fault. Returns the steps run so far; clearing it arms it again."""
+    execute, calls = llm.runner.execute, []
+
+    def flaky(s):
+        calls.append(s)
+        if len(calls) == step:
+            raise RuntimeError("device lost")
+        return execute(s)
+
+    llm.runner.execute = flaky
+    return calls

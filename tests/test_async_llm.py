@@ -5,7 +5,7 @@ alone, and the streamed deltas add up to the text without sending what may still
 import asyncio
 
 import pytest
-from _tiny import random_prompts, tiny_hf, tiny_over_smollm2_tokenizer
+from _tiny import lose_device_at, random_prompts, tiny_hf, tiny_over_smollm2_tokenizer
 
 from pagedlab import LLM, SamplingParams
 from pagedlab.engine import InvalidPrompt
@@ -128,15 +128,7 @@ def test_streamed_deltas_of_random_tokens_add_up_to_the_text():
 def test_a_failed_step_fails_the_requests_it_served_and_the_engine_serves_on(model):
     llm = LLM(model, block_size=4, num_gpu_blocks=64)
     prompt = random_prompts([6], model.args.vocab_size, seed=10)[0]
-    execute, calls = llm.runner.execute, []
-
-    def flaky(step):
-        calls.append(step)
-        if len(calls) == 3:
-            raise RuntimeError("device lost")
-        return execute(step)
-
-    llm.runner.execute = flaky
+    lose_device_at(llm, 3)
 
     async def main():
         engine = AsyncLLM(llm)

@@ -14,7 +14,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from _tiny import tiny_over_smollm2_tokenizer
+from _tiny import lose_device_at, tiny_over_smollm2_tokenizer
 
 pytest.importorskip("fastapi", reason="the server's extra is not installed")
 openai = pytest.importorskip("openai")
@@ -658,15 +658,7 @@ def test_a_failed_step_ends_each_reply_with_an_error_it_can_read(tiny):
     whole request a JSON 500 (it saw plain text); the server serves on."""
     tokenizer, model = tiny
     llm = tiny_llm(model, tokenizer)
-    execute, calls = llm.runner.execute, []
-
-    def flaky(step):
-        calls.append(step)
-        if len(calls) == 3:
-            raise RuntimeError("device lost")
-        return execute(step)
-
-    llm.runner.execute = flaky
+    calls = lose_device_at(llm, 3)
     body = {"model": NAME, "prompt": "a story:", "max_tokens": 20, "temperature": 0,
             "ignore_eos": True}
     with serving(build_app(llm, NAME)) as (url, *_):
