@@ -194,7 +194,7 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None,
               max_body_bytes: int = MAX_BODY_BYTES):
     """A FastAPI app serving ``llm`` under the model id ``model_name``; with ``api_key``,
     ``/v1`` answers only requests that carry it."""
-    ids = itertools.count()
+    numbers = itertools.count()  # request ids
     state: dict = {}
     tokenizer, limit = llm.tokenizer, llm.max_model_len
     vocab = llm.model.args.vocab_size
@@ -318,7 +318,7 @@ def build_app(llm: LLM, model_name: str, api_key: str | None = None,
 
     async def serve(request: Request, chat: bool):
         arrival = time.monotonic()
-        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{next(ids)}"
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{next(numbers)}"
         raw = await read_body(request, max_body_bytes, request_id)
         req = await asyncio.to_thread(parse, raw, ChatRequest if chat else CompletionRequest,
                                       request_id)
