@@ -93,7 +93,7 @@ def test_a_step_carries_what_the_executor_needs():
             assert c.token_ids == c.seq.token_ids[c.start : c.context_len]
             assert c.block_table == manager.block_table(c.seq.seq_id)
             assert c.slots == manager.slot_mapping(c.seq.seq_id, c.start, c.context_len)
-            seen.append((c.start, c.num_tokens, c.samples, c.is_decode))
+            seen.append((c.start, c.num_tokens, c.is_sampled, c in step.decodes))
         sched.update([GroupOutput(g, [SequenceOutput(g.seqs[0], 7, 0.0)])
                       for g in step.sampled_groups])
         used.append(manager.num_used_blocks)

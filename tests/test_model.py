@@ -49,7 +49,7 @@ class Forward:
     def decode(self, seq: Sequence, token: int) -> Chunk:
         seq.output_token_ids.append(token)
         self.manager.append(seq.seq_id, [token])
-        return Chunk.of(self.manager, seq, len(seq) - 1, 1, is_decode=True)
+        return Chunk.of(self.manager, seq, len(seq) - 1, 1)
 
 
 @pytest.mark.parametrize("name", MODELS)

@@ -293,7 +293,7 @@ def test_a_step_with_proposals_stays_within_its_token_budget(case):
         tokens = sum(c.num_tokens for c in step.chunks)
         assert tokens <= budget
         assert step.num_draft_tokens == sum(len(c.draft) for c in step.decodes)
-        assert all(c.is_decode for c in step.decodes)
+        assert all(c.num_tokens == 1 + len(c.draft) for c in step.decodes)
         capped += tokens == budget and 0 < step.num_draft_tokens < 4 * len(step.decodes)
         done += finished
     assert capped > 0  # the budget, not the proposer, cut some steps' proposals

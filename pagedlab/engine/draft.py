@@ -95,7 +95,7 @@ class DraftModelProposer(Proposer):
             for seq_id, (_, t) in tokens.items():
                 t.append(guesses[seq_id])
                 m.append(seq_id, t[-1:], num_speculative=1)
-                decodes.append(Chunk.of(m, Sequence(seq_id, t), len(t) - 1, 1, is_decode=True))
+                decodes.append(Chunk.of(m, Sequence(seq_id, t), len(t) - 1, 1))
             guesses = self._forward(Step(decodes=decodes))
         for seq_id, (_, t) in tokens.items():
             self.drafts[seq_id] = t[len(t) - self.k + 1:] + [guesses[seq_id]]

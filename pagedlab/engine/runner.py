@@ -155,7 +155,7 @@ class ModelRunner:
         with scope("pagedlab::forward"):
             self._move_blocks(step)
             graphs = self.graphs
-            if graphs is not None and not step.ranged and graphs.fits(len(batch.seq_lens)):
+            if graphs is not None and not step.multi_token and graphs.fits(len(batch.seq_lens)):
                 logits = graphs.run(batch)[last]  # [num_logits, vocab], fp32
             else:
                 hidden = self.model(batch, self.kv_caches, self.kv_scale)  # [num_tokens, hidden]
@@ -196,17 +196,17 @@ class ModelRunner:
         def tensor(values, dtype):
             return torch.tensor(values, dtype=dtype, device=self.model.device)
 
-        ranged, decodes = step.ranged, step.single
+        multi, decodes = step.multi_token, step.single_token
         ids, positions, slots, last, first_row = [], [], [], [], {}
-        for chunk in ranged + decodes:
+        for chunk in multi + decodes:
             ids += chunk.token_ids
             positions += range(chunk.start, chunk.context_len)
             slots += chunk.slots
-            if chunk.samples:
+            if chunk.is_sampled:
                 first_row[chunk.seq.seq_id] = len(last)
                 last += range(len(ids) - 1 - len(chunk.draft), len(ids))
-        rows = self.batch.update(ranged + decodes)
-        num_prefills, seq_lens = len(ranged), [c.context_len for c in decodes]
+        rows = self.batch.update(multi + decodes)
+        num_prefills, seq_lens = len(multi), [c.context_len for c in decodes]
         decode_tables = self.batch.gather(rows[num_prefills:])  # [num_decodes, longest]
         pad = self._padding(len(decodes))
         if pad:  # dummy decodes: token 0 at position 0, written nowhere, reading one slot
@@ -215,9 +215,9 @@ class ModelRunner:
             decode_tables = torch.cat([decode_tables,
                                        decode_tables.new_zeros(pad, decode_tables.shape[1])])
         prefill_tables = self.batch.gather(rows[:num_prefills])  # [num_prefills, longest]
-        starts = [0, *itertools.accumulate(c.num_tokens for c in ranged)]  # rows
+        starts = [0, *itertools.accumulate(c.num_tokens for c in multi)]  # rows
         prefills = [Prefill(starts[i], starts[i + 1], c.start, prefill_tables[i])
-                    for i, c in enumerate(ranged)]
+                    for i, c in enumerate(multi)]
         batch = ForwardBatch(
             input_ids=tensor(ids, torch.int64),  # [num_tokens]
             positions=tensor(positions, torch.int64),  # [num_tokens]
@@ -226,7 +226,7 @@ class ModelRunner:
             block_tables=decode_tables,  # [num_decodes (+ padding), longest]
             seq_lens=tensor(seq_lens, torch.int32),  # [num_decodes (+ padding)]
             prefill_start_loc=tensor(starts, torch.int32),  # [num_prefills + 1]
-            prefill_lens=tensor([c.context_len for c in ranged], torch.int32),
+            prefill_lens=tensor([c.context_len for c in multi], torch.int32),
             prefill_tables=prefill_tables,
         )
         return batch, tensor(last, torch.int64), first_row

@@ -148,7 +148,7 @@ class Scheduler(RequestLifecycle):
                 if draft:
                     self.manager.append(seq.seq_id, draft, num_speculative=len(draft))
                     step.decodes[index[seq.seq_id]] = Chunk.of(
-                        self.manager, seq, len(seq) - 1, 1 + len(draft), True, draft)
+                        self.manager, seq, len(seq) - 1, 1 + len(draft), draft)
                     step.num_draft_tokens += len(draft)
                     left -= len(draft)
 
@@ -219,7 +219,7 @@ class Scheduler(RequestLifecycle):
     def _add_prefill(self, group: SequenceGroup, chunks: list[Chunk], step: Step) -> None:
         step.prefills += chunks
         step.groups.append(group)
-        if not chunks[-1].samples:
+        if not chunks[-1].is_sampled:
             step.partial.append(group)
 
     def _allocate(self, group: SequenceGroup) -> list[Chunk]:
@@ -235,7 +235,7 @@ class Scheduler(RequestLifecycle):
         """Store each live sequence's pending token; its key and value come this step."""
         for seq in group.live:
             self.manager.append(seq.seq_id, [seq.last_token_id])
-            step.decodes.append(Chunk.of(self.manager, seq, len(seq) - 1, 1, is_decode=True))
+            step.decodes.append(Chunk.of(self.manager, seq, len(seq) - 1, 1))
         group.status = GroupStatus.RUNNING
         self.running.append(group)
         step.groups.append(group)

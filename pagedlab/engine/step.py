@@ -34,16 +34,15 @@ class Chunk:
     num_tokens: int  # query tokens this step (1 for a decode)
     block_table: list[int]  # the sequence's GPU blocks, this step's included
     slots: list[int]  # cache slot of each query token: where its key and value go
-    is_decode: bool = False
     draft: list[int] = field(default_factory=list)  # proposals after a decode's token
 
     @classmethod
     def of(cls, manager: KVCacheManager, seq: Sequence, start: int, num_tokens: int,
-           is_decode: bool = False, draft: list[int] = ()) -> Chunk:
+           draft: list[int] = ()) -> Chunk:
         """``num_tokens`` tokens of ``seq`` from ``start`` (its last ``len(draft)`` the
         proposals ``draft``), once ``manager`` holds them."""
         slots = manager.slot_mapping(seq.seq_id, start, start + num_tokens)
-        return cls(seq, start, num_tokens, manager.block_table(seq.seq_id), slots, is_decode,
+        return cls(seq, start, num_tokens, manager.block_table(seq.seq_id), slots,
                    list(draft))
 
     @property
@@ -58,7 +57,7 @@ class Chunk:
         return self.seq.token_ids[self.start : self.context_len]
 
     @property
-    def samples(self) -> bool:
+    def is_sampled(self) -> bool:
         """Does the chunk reach the sequence's last token, whose logits pick the next one?
         (A speculative decode's logits at each proposal verify it, too.)"""
         return self.context_len - len(self.draft) == len(self.seq)
@@ -87,14 +86,14 @@ class Step:
         return self.prefills + self.decodes
 
     @property
-    def ranged(self) -> list[Chunk]:
+    def multi_token(self) -> list[Chunk]:
         """Chunks of several query tokens, attended like prompts (causal within the chunk):
         prefill chunks, then speculative decodes (the pending token and its proposals)."""
         verifies = [c for c in self.decodes if c.draft]
         return self.prefills + verifies if verifies else self.prefills
 
     @property
-    def single(self) -> list[Chunk]:
+    def single_token(self) -> list[Chunk]:
         """One-token decodes: the decode kernel's batch."""
         return [c for c in self.decodes if not c.draft] if self.num_draft_tokens else self.decodes
 

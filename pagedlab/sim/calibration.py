@@ -41,9 +41,9 @@ class StepShape(NamedTuple):
 def step_shape(step) -> StepShape:
     """The shape of a :class:`~pagedlab.engine.scheduler.Step`, from its chunks alone (a
     speculative decode, several query tokens, is shaped like a prefill chunk)."""
-    ranged = step.ranged
-    return StepShape(tuple(c.num_tokens for c in ranged), tuple(c.start for c in ranged),
-                     tuple(c.context_len for c in step.single))
+    multi = step.multi_token
+    return StepShape(tuple(c.num_tokens for c in multi), tuple(c.start for c in multi),
+                     tuple(c.context_len for c in step.single_token))
 
 
 def features(prefill_lens: Sequence[int], decode_lens: Sequence[int],
