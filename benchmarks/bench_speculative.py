@@ -87,7 +87,7 @@ def bench(model_dir, kind: str, batch: int, k: int, layers: int, max_tokens: int
                              for p, s in zip(runs["plain"], runs[key])),
         }
     result["draft"]["draft_forward_passes"] = (
-        engines["draft"].scheduler.proposer.num_forward_passes)
+        engines["draft"].drafter.proposer.num_forward_passes)
     return result
 
 

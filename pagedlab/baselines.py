@@ -89,7 +89,8 @@ def run_pagedlab(llm, work: Workload) -> Run:
         outs = llm.generate([{"prompt_token_ids": p} for p in work.prompts], params,
                             use_tqdm=False)
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    per_block = block_bytes(llm.model, llm.block_size, llm.kv_cache_dtype)
+    cache = llm.cache_config
+    per_block = block_bytes(llm.model, cache.block_size, cache.kv_cache_dtype)
     return Run("pagedlab", t.wall, t.cpu, tokens, llm.stats.peak_blocks_used * per_block)
 
 

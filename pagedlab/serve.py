@@ -38,7 +38,7 @@ from pydantic import ValidationError
 
 from pagedlab.engine.async_llm import AsyncLLM
 from pagedlab.engine.llm import REQUEST_ERRORS, LLM
-from pagedlab.engine.sampling import SamplingParams
+from pagedlab.engine.params import SamplingParams
 from pagedlab.engine.text import InvalidPrompt, chat_prompt, prompt_token_ids
 from pagedlab.metrics import ServerMetrics
 from pagedlab.protocol import UNSUPPORTED, ChatRequest, CompletionRequest

@@ -321,3 +321,47 @@ def test_allocate_shared_refuses_a_part_block_and_without_sharing_allocates_each
     assert m.num_used_blocks == 0
     assert m.allocate_shared(["a", "b"], [[1] * 9, [2] * 5], shared=0) == [0, 0]
     assert m.num_used_blocks == m.blocks_for(9) + m.blocks_for(5) == 5
+
+
+# --- allocate_slots: the scheduler's one question -----------------------------------------
+
+def test_allocate_slots_takes_the_blocks_above_keep_free_or_changes_nothing():
+    mgr = KVCacheManager(6, 4)
+    assert mgr.allocate_slots({"a": list(range(9))}, keep_free=3) == {"a": 0}  # 3 blocks
+    assert mgr.num_free_blocks == 3
+    assert mgr.allocate_slots({"b": list(range(5))}, keep_free=2) is None  # 2 > 3 - 2
+    assert "b" not in mgr and mgr.num_free_blocks == 3
+    # a forked group recomputed: its first 4 tokens (one block) held once
+    starts = mgr.allocate_slots({"c": [7] * 8, "d": [7] * 4 + [1, 2]}, shared=4)
+    assert starts == {"c": 0, "d": 4} and mgr.num_free_blocks == 0  # 1 + 1 + 1 blocks
+    assert mgr.block_table("c")[0] == mgr.block_table("d")[0]
+    assert mgr.allocate_slots({"a": [0, 1, 2, 3]}) is None  # a full pool refuses an append
+    assert mgr.num_tokens("a") == 9
+    mgr.check_invariants()
+
+
+def test_allocate_slots_counts_the_copy_of_a_shared_last_block_once_per_copy():
+    """Two sequences sharing a partly filled last block both decode: the first to append
+    copies it, the second finds it its own (vLLM's last-sharer rule)."""
+    mgr = KVCacheManager(8, 4)
+    mgr.allocate("a", list(range(5)))  # 2 blocks, the last holding 1 token
+    mgr.fork("a", "b")
+    free = mgr.num_free_blocks
+    assert mgr.blocks_needed({"a": 1, "b": 1}) == 1
+    assert mgr.allocate_slots({"a": [5], "b": [6]}) == {"a": 5, "b": 5}
+    assert free - mgr.num_free_blocks == 1 and len(mgr.take_copies()) == 1
+    assert mgr.token_ids("a")[-1] == 5 and mgr.token_ids("b")[-1] == 6
+
+
+def test_swap_in_with_keep_free_counts_the_return_and_the_next_decode():
+    mgr = KVCacheManager(8, 4, num_cpu_blocks=8)
+    mgr.allocate("a", list(range(8)))  # 2 full blocks
+    mgr.fork("a", "b")
+    mgr.swap_out("a", "b")
+    assert mgr.blocks_to_swap_in("a", "b") == 4  # 2 shared blocks back, a fresh one each
+    free = mgr.num_free_blocks
+    assert mgr.swap_in("a", "b", keep_free=free - 3) is None
+    assert mgr.is_swapped("a") and mgr.num_free_blocks == free
+    assert len(mgr.swap_in("a", "b", keep_free=free - 4)) == 2
+    assert mgr.allocate_slots({"a": [8], "b": [9]}, keep_free=free - 4) is not None
+    assert mgr.num_free_blocks == free - 4

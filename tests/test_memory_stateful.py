@@ -141,15 +141,24 @@ class MemoryMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.live(swapped=False))
     @rule(data=st.data())
     def decode_one_token_each(self, data):
-        """A decode step: blocks_to_append predicts exactly the blocks it takes."""
+        """A decode step of a group: allocate_slots takes exactly the blocks blocks_needed
+        predicts, or answers None and changes nothing when they do not fit."""
         running = self.live(swapped=False)
         batch = data.draw(st.lists(st.sampled_from(running), min_size=1, max_size=4, unique=True))
-        need, free = self.mgr.blocks_to_append(batch), self.mgr.num_free_blocks
+        need, free = self.mgr.blocks_needed({sid: 1 for sid in batch}), self.mgr.num_free_blocks
+        new = {sid: [data.draw(st.sampled_from([0, 1]))] for sid in batch}
+        before = snapshot(self.mgr)
+        starts = self.mgr.allocate_slots(new)
         if need > free:
+            assert starts is None and snapshot(self.mgr) == before
             return
-        for sid in batch:
-            self.append(sid, [data.draw(st.sampled_from([0, 1]))])
+        assert starts == {sid: len(self.tokens[sid]) for sid in batch}
         assert free - self.mgr.num_free_blocks == need
+        copies = self.mgr.take_copies()
+        self.copy(copies, self.gpu_kv, self.gpu_kv)
+        for sid in batch:
+            self.tokens[sid] += new[sid]
+            self.write(sid, starts[sid])
 
     def append(self, sid, new):
         n = len(self.tokens[sid])

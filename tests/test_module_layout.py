@@ -85,3 +85,38 @@ def test_the_library_never_imports_the_course_and_neither_finds_the_repository_b
         assert not {m for m in imported if m.split(".")[0] == "pagedlab_course"}, path
     for path, tree in _modules("pagedlab") + _modules("pagedlab_course"):
         assert not any(isinstance(n, ast.Name) and n.id == "__file__" for n in ast.walk(tree)), path
+
+
+def _imports(path: Path, name: str, modules: set[str]) -> set[str]:
+    """The pagedlab modules ``name`` (file ``path``) imports, at any depth of its code."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules
+                      else node.module for a in node.names}
+    return {m for m in found if m in modules and m != name}
+
+
+def test_no_module_of_the_library_imports_itself_round_a_loop():
+    """Every import counted, those inside functions too: a loop is a loop at run time."""
+    root = Path(pagedlab.__file__).parent
+    files = {".".join(("pagedlab", *p.relative_to(root).with_suffix("").parts))
+             .removesuffix(".__init__"): p for p in root.rglob("*.py")}
+    graph = {name: _imports(path, name, set(files)) for name, path in files.items()}
+    done, path = set(), []
+
+    def visit(name):
+        if name in path:
+            raise AssertionError(" -> ".join(path[path.index(name):] + [name]))
+        if name in done:
+            return
+        path.append(name)
+        for other in sorted(graph[name]):
+            visit(other)
+        path.pop()
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name)

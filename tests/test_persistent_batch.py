@@ -12,7 +12,7 @@ from pagedlab.model import from_hf
 
 
 def chunks(tables: dict[int, list[int]]) -> list[Chunk]:
-    return [Chunk(SimpleNamespace(seq_id=s), 0, 1, t, [0]) for s, t in tables.items()]
+    return [Chunk(SimpleNamespace(seq_id=s), 0, 1, t, [0], True) for s, t in tables.items()]
 
 
 def test_only_changed_entries_are_written():

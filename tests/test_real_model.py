@@ -167,7 +167,7 @@ def test_draft_model_speculation_keeps_replies(real):
     stats = llm.scheduler.spec_stats
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
     assert llm.stats.prefix_hits > 0
-    proposer = llm.scheduler.proposer
+    proposer = llm.drafter.proposer
     assert proposer.manager.num_free_blocks == proposer.manager.num_gpu_blocks  # all returned
 
 

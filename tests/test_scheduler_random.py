@@ -56,14 +56,18 @@ def random_run(seed: int) -> None:
         if step.stats.batched_tokens > config.token_budget:  # only a prefill that runs alone
             assert len(step.groups) == 1 and not step.decodes, (seed, step.stats)
         assert all(c.num_tokens > 0 for c in step.chunks), (seed, step.stats)
-        assert len(step.partial) <= 1, (seed, step.stats)  # at most one prompt part-way
+        short = [c for c in step.prefills if not c.is_sampled]
+        assert len(short) <= 1, (seed, step.stats)  # at most one prompt part-way
         outputs = []
         for group in step.sampled_groups:
-            live = group.live if group.is_prefilled else [group.seqs[0]] * group.params.n
+            live = group.live if group.has_output else [group.seqs[0]] * group.params.n
             outputs.append(GroupOutput(group, [SequenceOutput(s, rng.randint(1, 50), 0.0)
                                                for s in live]))
         sched.update(outputs)
         manager.check_invariants()
+        for group in sched.running:  # each sequence's progress is what the cache holds
+            for seq in group.live:
+                assert seq.num_computed_tokens == manager.num_tokens(seq.seq_id), seed
         assert step_no < 20_000, f"seed {seed}: no end after {step_no} steps"
     for group in groups:
         assert group.is_finished, (seed, group.request_id)

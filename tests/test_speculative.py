@@ -17,16 +17,10 @@ import torch
 from _tiny import hf_greedy, random_prompts, tiny_hf
 
 from pagedlab import LLM, SamplingParams
-from pagedlab.engine.beams import BeamSearchParams
+from pagedlab.engine.params import BeamSearchParams
+from pagedlab.engine.sampling import verify_greedy, verify_sampled
+from pagedlab.engine.speculative import NgramProposer, Proposer, SpecDecodingStats, SpeculativeConfig
 from pagedlab.engine.step import run_step
-from pagedlab.engine.speculative import (
-    NgramProposer,
-    Proposer,
-    SpecDecodingStats,
-    SpeculativeConfig,
-    verify_greedy,
-    verify_sampled,
-)
 from pagedlab.model import from_hf
 
 CHI2_999 = {7: 24.32, 24: 51.18}  # chi-square critical values at 0.999, by degrees of freedom
@@ -172,12 +166,12 @@ def serve(case, proposer=None, check=None, **engine):
     each step once its forward pass ran), and the run's speculation counts."""
     llm = LLM(case["model"], block_size=4, **engine)
     if proposer is not None:
-        llm.scheduler.proposer = proposer
+        llm.drafter.proposer = proposer
     for i, prompt in enumerate(case["prompts"]):
         llm.add_request(str(i), prompt, GREEDY)
     outputs, preempted = {}, 0
     while llm.scheduler.has_unfinished:
-        step, ran, done = run_step(llm.scheduler, llm.runner,
+        step, ran, done = run_step(llm.scheduler, llm.runner, drafter=llm.drafter,
                                                observe=lambda s, _: check and check(llm, s))
         llm.manager.check_invariants()
         assert not step.failed
@@ -198,7 +192,7 @@ def no_proposal_cached(llm, step):
     cache = llm.manager.prefix_cache
     for chunk in step.decodes:
         if chunk.draft and cache is not None:
-            first_unverified = (chunk.start + 1) // llm.block_size
+            first_unverified = (chunk.start + 1) // llm.manager.block_size
             assert all(cache.tokens_of(b) is None for b in chunk.block_table[first_unverified:])
 
 
@@ -236,7 +230,7 @@ def test_parallel_samples_copy_their_shared_block_before_speculating(case):
     refs = {tuple(p): r for p, r in zip(case["prompts"], case["refs"])}
     llm = LLM(case["model"], block_size=4, num_gpu_blocks=64, enable_prefix_caching=True,
               speculative_config=NGRAM, record_events=True)
-    llm.scheduler.proposer = Oracle(refs, 0.3)
+    llm.drafter.proposer = Oracle(refs, 0.3)
     params = SamplingParams(n=2, temperature=0, max_tokens=MAX_TOKENS)
     outs = llm.generate(case["prompts"], params, use_tqdm=False)
     assert [[c.token_ids for c in o.outputs] for o in outs] == [[r, r] for r in case["refs"]]
@@ -251,7 +245,7 @@ def test_a_stop_token_among_accepted_proposals_ends_the_output_there(case):
     refs = {tuple(p): r for p, r in zip(case["prompts"], case["refs"])}
     stop = case["refs"][0][5]
     llm = LLM(case["model"], block_size=4, num_gpu_blocks=64, speculative_config=NGRAM)
-    llm.scheduler.proposer = Oracle(refs, 0.0)
+    llm.drafter.proposer = Oracle(refs, 0.0)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop_token_ids=[stop])
     out = llm.generate([case["prompts"][0]], params, use_tqdm=False)[0].outputs[0]
     assert out.token_ids == case["refs"][0][: case["refs"][0].index(stop) + 1]
@@ -264,7 +258,7 @@ def test_proposals_respect_max_tokens_and_max_model_len(case):
     for limit in dict(max_tokens=7), dict(max_model_len=len(prompt) + 4):
         llm = LLM(case["model"], block_size=4, num_gpu_blocks=64, speculative_config=NGRAM,
                   **({} if "max_tokens" in limit else limit))
-        llm.scheduler.proposer = Oracle(refs, 0.0)
+        llm.drafter.proposer = Oracle(refs, 0.0)
         params = SamplingParams(temperature=0, max_tokens=limit.get("max_tokens", MAX_TOKENS))
         out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
         n = limit.get("max_tokens", 4)
@@ -284,12 +278,12 @@ def test_a_step_with_proposals_stays_within_its_token_budget(case):
     budget = 9
     llm = LLM(case["model"], block_size=4, num_gpu_blocks=64, max_num_batched_tokens=budget,
               max_num_seqs=4, speculative_config=dict(NGRAM, num_speculative_tokens=4))
-    llm.scheduler.proposer = Oracle(refs, 0.3)
+    llm.drafter.proposer = Oracle(refs, 0.3)
     for i, prompt in enumerate(case["prompts"]):
         llm.add_request(str(i), prompt, GREEDY)
     done, capped = [], 0
     while llm.scheduler.has_unfinished:
-        step, _, finished = run_step(llm.scheduler, llm.runner)
+        step, _, finished = run_step(llm.scheduler, llm.runner, drafter=llm.drafter)
         tokens = sum(c.num_tokens for c in step.chunks)
         assert tokens <= budget
         assert step.num_draft_tokens == sum(len(c.draft) for c in step.decodes)
@@ -308,12 +302,12 @@ def test_a_beam_search_request_leaves_the_others_their_proposals(case):
     """Beams are not speculated; a request after them in the batch still is."""
     refs = {tuple(p): r for p, r in zip(case["prompts"], case["refs"])}
     llm = LLM(case["model"], block_size=4, num_gpu_blocks=64, speculative_config=NGRAM)
-    llm.scheduler.proposer = Oracle(refs, 0.0)
+    llm.drafter.proposer = Oracle(refs, 0.0)
     llm.add_request("beams", case["prompts"][0], BeamSearchParams(beam_width=2, max_tokens=8))
     llm.add_request("greedy", case["prompts"][1], GREEDY)
     done, after_beams = {}, 0
     while llm.scheduler.has_unfinished:
-        step, _, finished = run_step(llm.scheduler, llm.runner)
+        step, _, finished = run_step(llm.scheduler, llm.runner, drafter=llm.drafter)
         ids = [g.request_id for g in step.groups] if step.decodes else []
         after_beams += ids == ["beams", "greedy"] and bool(step.decodes[-1].draft)
         done.update((g.request_id, g) for g in finished)
@@ -351,7 +345,7 @@ def test_sampled_speculation_follows_the_models_distribution(case):
     n = 1200
     llm = LLM(case["model"], block_size=4, num_gpu_blocks=1024, max_num_seqs=512,
               max_num_batched_tokens=4096, speculative_config=dict(NGRAM, num_speculative_tokens=1))
-    llm.scheduler.proposer = Fixed()
+    llm.drafter.proposer = Fixed()
     params = [SamplingParams(temperature=1.0, top_k=2, max_tokens=3, seed=s) for s in range(n)]
     outs = llm.generate([prompt] * n, params, use_tqdm=False)
     counts = Counter(tuple(o.outputs[0].token_ids) for o in outs)
@@ -428,7 +422,7 @@ def test_metrics_report_drafts_and_acceptances_under_vllm_s_names(case):
 
     refs = {tuple(p): r for p, r in zip(case["prompts"], case["refs"])}
     llm = LLM(case["model"], block_size=4, num_gpu_blocks=64, speculative_config=NGRAM)
-    llm.scheduler.proposer = Oracle(refs, 0.4)
+    llm.drafter.proposer = Oracle(refs, 0.4)
     llm.generate(case["prompts"], GREEDY, use_tqdm=False)
     collector = EngineCollector(SimpleNamespace(llm=llm, num_preemptions=0), "tiny")
     samples = {(s.name, s.labels.get("position")): s.value

@@ -20,9 +20,10 @@ from pagedlab import LLM, SamplingParams
 from pagedlab._arith import cdiv
 from pagedlab.engine.draft import DraftModelProposer, early_exit
 from pagedlab.engine.sequence import Sequence
-from pagedlab.engine.speculative import SpeculativeConfig, verify_sampled
+from pagedlab.engine.sampling import verify_sampled
+from pagedlab.engine.speculative import SpeculativeConfig
 from pagedlab.engine.step import run_step
-from pagedlab.model import from_hf
+from pagedlab.model import PagedLlama, from_hf
 
 K = 3
 MAX_TOKENS = 16
@@ -61,8 +62,6 @@ def test_config_needs_draft_layers_and_names_bad_ones(case):
         SpeculativeConfig.of(draft_config(0))
     with pytest.raises(ValueError, match="draft_layers=5 must be at most the target's 4"):
         LLM(case["model"], num_gpu_blocks=8, speculative_config=draft_config(5))
-    with pytest.raises(ValueError, match="needs the target model"):
-        config.proposer()
 
 
 def test_early_exit_shares_the_targets_weights(case):
@@ -76,17 +75,17 @@ def test_early_exit_shares_the_targets_weights(case):
 
 def serve(case, layers, check=None, prompts=None, **engine):
     """Greedy outputs with the draft proposer; after every step the target's invariants and
-    the draft's: its pool's blocks add up, and it holds a prefix of each live sequence's
-    tokens (no rejected guess). ``check(llm, step)`` sees each step before it is applied."""
+    the draft's: its pool's blocks add up, and it holds each live sequence's tokens (no
+    rejected guess among them), then its next guesses. ``check(llm, step)`` sees each step before it is applied."""
     llm = LLM(case["model"], block_size=4, speculative_config=draft_config(layers), **engine)
-    draft = llm.scheduler.proposer
+    draft = llm.drafter.proposer
     start = draft.manager.num_free_blocks
     prompts = prompts or case["prompts"]
     for i, prompt in enumerate(prompts):
         llm.add_request(str(i), prompt, GREEDY)
     outputs, preempted = {}, 0
     while llm.scheduler.has_unfinished:
-        step, _, done = run_step(llm.scheduler, llm.runner,
+        step, _, done = run_step(llm.scheduler, llm.runner, drafter=llm.drafter,
                                  observe=lambda s, _: check and check(llm, s))
         preempted += len(step.preempted)
         llm.manager.check_invariants()
@@ -95,8 +94,9 @@ def serve(case, layers, check=None, prompts=None, **engine):
         for group in llm.scheduler.running:
             for seq in group.live:
                 if seq.seq_id in draft.manager:
-                    tokens = draft.manager.token_ids(seq.seq_id)
-                    assert tokens == seq.token_ids[:len(tokens)], "a rejected guess kept"
+                    tokens = draft.manager.token_ids(seq.seq_id)  # and its next guesses
+                    n = min(len(tokens), len(seq))
+                    assert tokens[:n] == seq.token_ids[:n], "a rejected guess kept"
                     held += cdiv(len(tokens), draft.manager.block_size)
         assert draft.manager.num_used_blocks == held  # no other sequence holds a block
         for group in done:
@@ -145,9 +145,10 @@ def test_preemption_frees_the_drafts_blocks_and_keeps_the_output(case, mode):
 
 def test_abort_in_the_middle_of_speculation_frees_the_drafts_blocks(case):
     """Requests aborted after a step was scheduled (guesses in both caches, unverified) and
-    after it ran: both pools get every block back."""
+    after it ran: the target's pool gets their blocks back at once, the draft's at its next
+    drafting, which follows the running requests."""
     llm = LLM(case["model"], block_size=4, num_gpu_blocks=64, speculative_config=draft_config(2))
-    draft = llm.scheduler.proposer
+    draft = llm.drafter.proposer
     start = draft.manager.num_free_blocks
     groups = [llm.add_request(str(i), p, GREEDY) for i, p in enumerate(case["prompts"])]
     for _ in range(3):
@@ -155,53 +156,51 @@ def test_abort_in_the_middle_of_speculation_frees_the_drafts_blocks(case):
     step = llm.scheduler.schedule()
     assert step.num_draft_tokens > 0 and draft.manager.num_used_blocks > 0
     llm.scheduler.abort(groups[0])
-    assert groups[0].seqs[0].seq_id not in draft.manager
     llm.scheduler.update(llm.runner.execute(step).outputs[1:])  # the others' outputs
+    llm.drafter(llm.scheduler.running)
+    assert groups[0].seqs[0].seq_id not in draft.manager
+    assert groups[1].seqs[0].seq_id in draft.manager
     for group in groups[1:]:
         llm.scheduler.abort(group)
+    llm.drafter(llm.scheduler.running)
     assert draft.manager.num_free_blocks == start and llm.manager.num_used_blocks == 0
 
 
 @pytest.mark.parametrize("seed", range(4))
 def test_draft_cache_after_random_accept_lengths(case, seed):
-    """Drive the proposer alone: after each verification of a random length the draft keeps
-    the sequence's tokens up to what it had computed, in exactly the blocks they need; two
-    sequences interleave so that freed blocks are reused; at the end, every block is back."""
+    """Drive the proposer alone: after each verification of a random length, the next
+    drafting keeps the sequence's tokens and its new guesses, no rejected one, in exactly the
+    blocks they need; two sequences interleave so that freed blocks are reused; a sequence
+    left out of a drafting gives its blocks back, and so does everyone at the end."""
     rng = random.Random(seed)
     bs, k = 3, 4
-    draft = DraftModelProposer(early_exit(case["model"], 1), bs, 120, k)
+    draft = DraftModelProposer(early_exit(case["model"], 1), bs, 120)
     seqs = [Sequence(i, list(p[:rng.randint(1, 8)])) for i, p in enumerate(case["prompts"][:2])]
     for _ in range(25):
-        draft.start_step(seqs)
-        for seq in seqs:
-            n = len(seq)
-            guesses = draft.propose(seq.token_ids, k, seq.seq_id)
-            assert len(guesses) == k
-            assert draft.manager.num_tokens(seq.seq_id) == n + k - 1  # context, k - 1 guesses
+        asked = seqs[1:] if rng.random() < 0.2 else seqs  # one leaves (preempted, say)
+        guesses = draft.propose_all(asked, k)
+        if asked is not seqs:
+            assert seqs[0].seq_id not in draft.manager
+        for seq in asked:
+            held = draft.manager.token_ids(seq.seq_id)
+            assert len(guesses[seq.seq_id]) == k
+            assert held == seq.token_ids + guesses[seq.seq_id][:k - 1], "a rejected guess kept"
+            draft.manager.check_invariants()
             accepted = rng.randint(0, k)
             bonus = rng.randrange(case["hf"].config.vocab_size)
-            for token in guesses[:accepted] + [bonus]:
+            for token in guesses[seq.seq_id][:accepted] + [bonus]:
                 seq.append(token, 0.0)
-            draft.keep(seq.seq_id, n + accepted)
-            held = draft.manager.token_ids(seq.seq_id)
-            assert len(held) == n + min(accepted, k - 1)
-            assert held == seq.token_ids[:len(held)]
-            draft.manager.check_invariants()
-        used = sum(cdiv(draft.manager.num_tokens(s.seq_id), bs) for s in seqs)
+        used = sum(cdiv(draft.manager.num_tokens(s.seq_id), bs) for s in asked)
         assert draft.manager.num_used_blocks == used
-        if rng.random() < 0.2:  # a sequence leaves (finished, aborted or preempted)
-            draft.free(seqs[0].seq_id)
-            assert seqs[0].seq_id not in draft.manager
-    for seq in seqs:
-        draft.free(seq.seq_id)
+    assert draft.propose_all([], k) == {}
     assert draft.manager.num_free_blocks == 120
 
 
 def test_a_full_draft_pool_proposes_nothing_rather_than_fail(case):
     """A draft pool too small for a sequence's context gives it no guesses; the output holds."""
     llm = LLM(case["model"], block_size=4, num_gpu_blocks=64, speculative_config=draft_config(2))
-    small = DraftModelProposer(early_exit(case["model"], 2), 4, 3, K)  # 12 token slots
-    llm.scheduler.proposer = small
+    small = DraftModelProposer(early_exit(case["model"], 2), 4, 3)  # 12 token slots
+    llm.drafter.proposer = small
     outs = llm.generate(case["prompts"], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == case["refs"]
     assert llm.scheduler.spec_stats.num_draft_tokens > 0  # the short prompt got guesses
@@ -301,7 +300,7 @@ def test_sampled_speculation_with_a_draft_follows_the_target(case):
     assert chi2 < 24.32, (counts, exact)  # 7 degrees of freedom, 0.999
     stats = llm.scheduler.spec_stats
     assert stats.num_drafts >= n and 0 < stats.acceptance_rate < 1
-    assert llm.scheduler.proposer.manager.num_used_blocks == 0
+    assert llm.drafter.proposer.manager.num_used_blocks == 0
 
 
 def test_serve_takes_the_draft_method_on_its_command_line(case, tmp_path, monkeypatch):
@@ -321,8 +320,39 @@ def test_serve_takes_the_draft_method_on_its_command_line(case, tmp_path, monkey
     serve.main(["--model", str(tmp_path), "--block-size", "4", "--num-gpu-blocks", "64",
                 "--speculative-config", json.dumps(draft_config(2))])
     llm = built["llm"]
-    assert isinstance(llm.scheduler.proposer, DraftModelProposer)
-    assert llm.scheduler.proposer.model.args.num_layers == 2
+    assert isinstance(llm.drafter.proposer, DraftModelProposer)
+    assert llm.drafter.proposer.model.args.num_layers == 2
     outs = llm.generate(case["prompts"], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == case["refs"]
     assert llm.scheduler.spec_stats.num_draft_tokens > 0
+
+
+def test_the_scheduler_runs_no_model_the_drafter_does(case, monkeypatch):
+    """The scheduler decides and never runs a model, the draft's included: each forward pass
+    runs in the runner (the target's) or in the drafter, after the step's tokens are applied
+    (the draft's)."""
+    llm = LLM(case["model"], block_size=4, num_gpu_blocks=64, speculative_config=draft_config(2))
+    stage, passes, forward = [None], Counter(), PagedLlama.forward
+
+    def counted(self, *args, **kwargs):
+        passes[stage[0], self.args.num_layers] += 1
+        return forward(self, *args, **kwargs)
+
+    def labelled(name, method):  # a pass belongs to the outermost stage it runs in
+        def run(*args, **kwargs):
+            outer = stage[0]
+            stage[0] = outer or name
+            try:
+                return method(*args, **kwargs)
+            finally:
+                stage[0] = outer
+        return run
+
+    monkeypatch.setattr(PagedLlama, "forward", counted)
+    llm.scheduler.schedule = labelled("schedule", llm.scheduler.schedule)
+    llm.runner.execute = labelled("execute", llm.runner.execute)
+    llm.drafter.proposer.propose_all = labelled("draft", llm.drafter.proposer.propose_all)
+    outs = llm.generate(case["prompts"], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == case["refs"]
+    layers = case["model"].args.num_layers
+    assert set(passes) == {("execute", layers), ("draft", 2)}, passes

@@ -1,7 +1,9 @@
 """A small serving engine on the paged KV cache, with vLLM's user API (chapters 6 and 8).
 
-``sequence`` (requests as sequence groups), ``step`` (what a step is, what an executor returns,
-and the loop body engine and simulator share), ``scheduler_config`` (its limits) and ``scheduler`` (continuous batching, preemption
+``params`` (what a request asks for), ``sequence`` (requests as sequence groups, each
+sequence carrying its progress), ``step`` (what a step is, what an executor returns, and the
+loop body engine and simulator share), ``scheduler_config`` and ``cache_config`` (the
+limits and the cache, vLLM's names) and ``scheduler`` (continuous batching, preemption
 by recomputation or swapping; no tensors, so the simulator drives it too), ``policy`` (the order
 the scheduler serves and preempts in: FCFS, priority, or your own), ``sampling`` and
 ``beams`` (choosing tokens; parallel samples and beams by fork and copy-on-write),
@@ -21,8 +23,9 @@ _EXPORTS = {
     "LLM": "llm",
     "AsyncLLM": "async_llm",
     "BeamSearchOutput": "beams",
-    "BeamSearchParams": "beams",
+    "BeamSearchParams": "params",
     "BeamSearchSequence": "beams",
+    "CacheConfig": "cache_config",
     "CacheTooSmall": "scheduler",
     "TooManySequences": "scheduler",
     "InvalidPrompt": "text",
@@ -37,13 +40,15 @@ _EXPORTS = {
     "Priority": "policy",
     "RequestOutput": "outputs",
     "Sampler": "sampling",
-    "SamplingParams": "sampling",
+    "SamplingParams": "params",
     "Scheduler": "scheduler",
     "SchedulerConfig": "scheduler_config",
     "Sequence": "sequence",
     "SequenceGroup": "sequence",
     "SequenceOutput": "sequence",
+    "Drafter": "speculative",
     "NgramProposer": "speculative",
+    "Proposer": "speculative",
     "SpeculativeConfig": "speculative",
     "Step": "step",
     "StepOutput": "step",

@@ -17,44 +17,13 @@ continuation when ``length_penalty > 0``), or when every candidate ended.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from pagedlab._checks import check_positive
+from pagedlab.engine.params import BeamSearchParams
 from pagedlab.engine.sequence import GroupOutput, Sequence, SequenceGroup, SequenceOutput
-
-
-@dataclass(frozen=True)
-class BeamSearchParams:
-    """Beam search as in vLLM's ``LLM.beam_search``, plus transformers' ``early_stopping``."""
-
-    beam_width: int
-    max_tokens: int
-    ignore_eos: bool = False
-    length_penalty: float = 1.0
-    early_stopping: bool | str = False
-
-    def __post_init__(self):
-        check_positive("beam_width", self.beam_width, integer=True)
-        check_positive("max_tokens", self.max_tokens, integer=True)
-        if isinstance(self.length_penalty, bool) or not (
-            isinstance(self.length_penalty, (int, float)) and math.isfinite(self.length_penalty)
-        ):
-            raise ValueError(f"length_penalty={self.length_penalty!r} must be a finite number")
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos={self.ignore_eos!r} must be True or False")
-        if self.early_stopping not in (True, False, "never"):
-            raise ValueError(
-                f"early_stopping={self.early_stopping!r} must be True, False or 'never'"
-            )
-
-    @property
-    def width(self) -> int:
-        """Sequences the request runs at once."""
-        return self.beam_width
 
 
 @dataclass

@@ -2,8 +2,8 @@
 
 :class:`RequestLifecycle` holds the queues and does the bookkeeping every policy shares: a
 request is checked and queued (:meth:`~RequestLifecycle.add_request`), each step's sampled
-tokens are applied to its sequences (:meth:`~RequestLifecycle.update`: fork, prune, verify,
-stop, free), and it ends one way (:meth:`~RequestLifecycle._end`), finished, aborted or failed.
+tokens are applied to its sequences (:meth:`~RequestLifecycle.update`: fork, prune, roll
+back rejected proposals, stop, free), and it ends one way (:meth:`~RequestLifecycle._end`), finished, aborted or failed.
 :class:`~pagedlab.engine.scheduler.Scheduler` adds the policy: which groups run each step.
 """
 
@@ -13,7 +13,7 @@ import itertools
 import time
 from collections import deque
 
-from pagedlab.engine.beams import BeamSearchParams
+from pagedlab.engine.params import BeamSearchParams
 from pagedlab.engine.policy import enqueue
 from pagedlab.engine.scheduler_config import SchedulerConfig
 from pagedlab.engine.sequence import GroupOutput, GroupStatus, Sequence, SequenceGroup
@@ -32,8 +32,7 @@ class TooManySequences(ValueError):
 class RequestLifecycle:
     """The queues (waiting, running, swapped), and a request's way in, through and out."""
 
-    def __init__(self, manager: KVCacheManager, config: SchedulerConfig | None = None,
-                 proposer=None):
+    def __init__(self, manager: KVCacheManager, config: SchedulerConfig | None = None):
         self.manager = manager
         self.config = config or SchedulerConfig()
         self.waiting: deque[SequenceGroup] = deque()  # waiting and swapped: in policy order
@@ -41,8 +40,6 @@ class RequestLifecycle:
         self.swapped: list[SequenceGroup] = []
         self.unfinished: dict[str, SequenceGroup] = {}  # by request id, whatever their queue
         self.num_steps = 0
-        spec = self.config.speculative_config
-        self.proposer = None if spec is None else proposer or spec.proposer()
         self.spec_stats = SpecDecodingStats()
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
@@ -57,13 +54,15 @@ class RequestLifecycle:
         return bool(self.waiting or self.running or self.swapped)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params,
-                    stop_token_ids=(), generators=(), priority: int = 0) -> SequenceGroup:
+                    stop_token_ids=(), generators=(), priority: int = 0,
+                    stop_check=None) -> SequenceGroup:
         """Queue a request; raise :class:`CacheTooSmall` if its prompt can never be admitted.
 
         ``params`` is a SamplingParams or BeamSearchParams; ``generators`` the random stream
         of each parallel sample (None entries: the global one); ``priority`` the request's
         urgency, smaller first, which only a :class:`~pagedlab.engine.policy.Priority` policy
-        (or one of your own) reads.
+        (or one of your own) reads; ``stop_check`` ends a sequence on a stop string
+        (:attr:`SequenceGroup.stop_check`). Its sequences stop at ``config.max_model_len``.
         """
         prompt = list(prompt_token_ids)
         if not prompt:
@@ -92,6 +91,8 @@ class RequestLifecycle:
             priority=priority,
             stop_token_ids=frozenset(stop_token_ids),
             generators=list(generators) or [None] * params.width,
+            max_len=self.config.max_model_len,
+            stop_check=stop_check,
         )
         if request_id in self.unfinished:
             raise ValueError(f"request {request_id!r} is already running; ids must be unique")
@@ -124,17 +125,11 @@ class RequestLifecycle:
             queue.remove(group)
         for seq in group.live:
             if seq.seq_id in self.manager:
-                self._free(seq.seq_id)
+                self.manager.free(seq.seq_id)
             seq.finish_reason = reason
         group.status, group.error = GroupStatus.FINISHED, error
         group.metrics.finished_time = time.monotonic()
         del self.unfinished[group.request_id]
-
-    def _free(self, seq_id: int) -> None:
-        """Give back a sequence's blocks, and its draft model's (speculative decoding)."""
-        self.manager.free(seq_id)
-        if self.proposer is not None:
-            self.proposer.free(seq_id)
 
     def update(self, outputs: list[GroupOutput]) -> list[SequenceGroup]:
         """Apply a step's sampled tokens: fork, prune, stop, free. Return the groups finished.
@@ -152,7 +147,7 @@ class RequestLifecycle:
                 continue
             if out.done:  # beam search over: the finished beams are in group.completed
                 for seq in group.live:
-                    self._free(seq.seq_id)
+                    self.manager.free(seq.seq_id)
                 group.seqs = []
             else:
                 self._apply(group, out.children)
@@ -164,28 +159,27 @@ class RequestLifecycle:
 
     def _apply(self, group: SequenceGroup, children) -> None:
         """Give each child its sequence (forks share their parent's blocks; pruned beams are
-        freed), verify proposals, then append the tokens, freeing a sequence that stops."""
+        freed), give back rejected proposals' slots, then append the tokens, freeing a
+        sequence that stops."""
         plan, forks, pruned = group.assign(children, self._seq_ids.__next__)
         for parent, seq in forks:
             self.manager.fork(parent.seq_id, seq.seq_id)
         for seq in pruned:
-            self._free(seq.seq_id)
+            self.manager.free(seq.seq_id)
         if group.metrics.first_token_time is None:  # every sampled group has a child
             group.metrics.first_token_time = time.monotonic()
         for seq, child in plan:
-            if self.proposer is not None:
-                self._verify(group, seq, child)
+            if seq.num_computed_tokens > len(seq):  # it verified proposals this step
+                self._roll_back(group, seq, len(child.accepted))
             if group.take(seq, child):
-                self._free(seq.seq_id)
+                self.manager.free(seq.seq_id)
 
-    def _verify(self, group: SequenceGroup, seq: Sequence, child) -> None:
-        """After a verification step the cache keeps what was accepted (and a draft model's
-        cache the same); the other proposals' slots go back."""
-        accepted, num_kept = len(child.accepted), len(seq) + len(child.accepted)
-        proposed = self.manager.num_tokens(seq.seq_id) - len(seq)
-        if proposed:
-            self.manager.truncate(seq.seq_id, num_kept)
-            self.spec_stats.observe(proposed, accepted)
-            group.metrics.num_draft_tokens += proposed
-            group.metrics.num_accepted_tokens += accepted
-        self.proposer.keep(seq.seq_id, num_kept)
+    def _roll_back(self, group: SequenceGroup, seq: Sequence, accepted: int) -> None:
+        """After a verification step the cache keeps the pending token and the ``accepted``
+        proposals; the other proposals' slots go back."""
+        proposed, kept = seq.num_computed_tokens - len(seq), len(seq) + accepted
+        self.manager.truncate(seq.seq_id, kept)
+        seq.num_computed_tokens = kept
+        self.spec_stats.observe(proposed, accepted)
+        group.metrics.num_draft_tokens += proposed
+        group.metrics.num_accepted_tokens += accepted

@@ -22,23 +22,20 @@ from __future__ import annotations
 import math
 import os
 import time
-
+from dataclasses import replace
 
 from pagedlab._arith import cdiv
 from pagedlab._checks import check_positive, lookup_preset
-from pagedlab.engine.beams import BeamSearchOutput, BeamSearchParams
+from pagedlab.engine.beams import BeamSearchOutput
+from pagedlab.engine.cache_config import CacheConfig
+from pagedlab.engine.draft import DraftModelProposer, early_exit
 from pagedlab.engine.graphs import DEFAULT_SIZES
 from pagedlab.engine.outputs import RequestOutput
+from pagedlab.engine.params import BeamSearchParams, SamplingParams
 from pagedlab.engine.policy import POLICIES, Policy
-from pagedlab.engine.runner import KV_CACHE_DTYPES, ModelRunner, block_bytes, profile_num_blocks
-from pagedlab.engine.sampling import SamplingParams
-from pagedlab.engine.scheduler import (
-    PREEMPTION_MODES,
-    CacheTooSmall,
-    Scheduler,
-    SchedulerConfig,
-    TooManySequences,
-)
+from pagedlab.engine.runner import ModelRunner, block_bytes, profile_num_blocks
+from pagedlab.engine.scheduler import CacheTooSmall, Scheduler, SchedulerConfig, TooManySequences
+from pagedlab.engine.speculative import Drafter, NgramProposer, SpeculativeConfig
 from pagedlab.engine.sequence import SequenceGroup
 from pagedlab.engine.stats import EngineStats
 from pagedlab.engine.step import Step, run_step
@@ -117,59 +114,13 @@ class LLM:
         speculative_config: dict | None = None,
         cuda_graphs: bool = False,
     ):
-        check_positive("block_size", block_size, integer=True)
-        if not (isinstance(gpu_memory_utilization, (int, float)) and 0 < gpu_memory_utilization <= 1):
-            raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization!r} must be in (0, 1]")
-        check_positive("swap_space", swap_space, allow_zero=True)
-        if not math.isfinite(swap_space):
-            raise ValueError(f"swap_space={swap_space!r} must be a finite number of GiB")
-        for name, value in (("num_gpu_blocks", num_gpu_blocks), ("num_cpu_blocks", num_cpu_blocks),
-                            ("max_num_batched_tokens", max_num_batched_tokens),
-                            ("kv_cache_memory_bytes", kv_cache_memory_bytes),
-                            ("max_model_len", max_model_len)):
-            if value is not None:
-                check_positive(name, value, integer=True, allow_zero=name == "num_cpu_blocks")
-        if preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"preemption_mode={preemption_mode!r} must be one of {PREEMPTION_MODES}")
-        if kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} must be one of {KV_CACHE_DTYPES}")
-        for size in decode_batch_sizes:
-            check_positive("decode_batch_sizes", size, integer=True)
-        if not isinstance(cuda_graphs, bool):
-            raise ValueError(f"cuda_graphs={cuda_graphs!r} must be a bool")
-        if cuda_graphs and not decode_batch_sizes:  # vLLM's rule too: none above max_num_seqs
-            decode_batch_sizes = tuple(s for s in DEFAULT_SIZES if s < max_num_seqs) + (
-                max_num_seqs,)
-        check_positive("kv_scale", kv_scale)
-        if not math.isfinite(kv_scale):
-            raise ValueError(f"kv_scale={kv_scale!r} must be finite and > 0")
-        if not isinstance(enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching={enable_prefix_caching!r} must be a bool")
-        if isinstance(model, (str, os.PathLike)):
-            if tokenizer is None:
-                tokenizer = _tokenizer_in(model)
-            model = from_pretrained(model, kernels=kernels)
-        elif not isinstance(model, PagedLlama):
-            raise TypeError(f"model must be a PagedLlama or a checkpoint directory, not "
-                            f"{type(model).__name__}")
-        elif kernels is not None:
-            model.kernels = kernels
-        self.model = model
-        self.tokenizer = _load_tokenizer(tokenizer)
-        self.max_model_len = max_model_len or model.args.max_position_embeddings
-        self.block_size, self.kv_cache_dtype = block_size, kv_cache_dtype
-        if num_gpu_blocks is None:
-            num_gpu_blocks = profile_num_blocks(
-                model, block_size, gpu_memory_utilization, kv_cache_dtype, kv_cache_memory_bytes
-            )
-            if self.max_model_len is not None:  # blocks past these could never be used
-                num_gpu_blocks = min(num_gpu_blocks,
-                                     max_num_seqs * cdiv(self.max_model_len, block_size))
-        if num_cpu_blocks is None:
-            per_block = block_bytes(model, block_size, kv_cache_dtype)
-            num_cpu_blocks = int(swap_space * (1 << 30) // per_block)
-        if preemption_mode == "swap" and num_cpu_blocks == 0:
-            raise ValueError("preemption_mode='swap' needs swap_space (GiB) or num_cpu_blocks > 0")
+        cache = CacheConfig(block_size, num_gpu_blocks, gpu_memory_utilization,
+                            kv_cache_memory_bytes, swap_space, num_cpu_blocks,
+                            enable_prefix_caching, kv_cache_dtype, kv_scale)
+        decode_batch_sizes = _decode_batch_sizes(decode_batch_sizes, cuda_graphs, max_num_seqs)
+        self.model, self.tokenizer = _load(model, tokenizer, kernels)
+        self.max_model_len = (self.model.args.max_position_embeddings if max_model_len is None
+                              else max_model_len)
         self.config = SchedulerConfig(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
@@ -180,18 +131,18 @@ class LLM:
                                  "policies"),
             speculative_config=speculative_config,
         )
-        self.manager = KVCacheManager(
-            num_gpu_blocks, block_size, num_cpu_blocks,
-            enable_prefix_caching, record_events=record_events,
-        )
-        spec = self.config.speculative_config  # a draft model is cut from the target
-        self.scheduler = Scheduler(self.manager, self.config, spec and spec.proposer(
-            model, block_size, self.manager.num_gpu_blocks))
-        self.runner = ModelRunner(model, block_size, self.manager.num_gpu_blocks, num_cpu_blocks,
-                                  kv_cache_dtype, kv_scale, decode_batch_sizes, cuda_graphs,
-                                  max_blocks=self.manager.num_gpu_blocks if not self.max_model_len
-                                  else min(self.manager.num_gpu_blocks,
-                                           cdiv(self.max_model_len, block_size)))
+        self.cache_config = cache = _sized(cache, self.model, max_num_seqs, self.max_model_len)
+        if preemption_mode == "swap" and cache.num_cpu_blocks == 0:
+            raise ValueError("preemption_mode='swap' needs swap_space (GiB) or num_cpu_blocks > 0")
+        self.manager = KVCacheManager(cache.num_gpu_blocks, block_size, cache.num_cpu_blocks,
+                                      enable_prefix_caching, record_events=record_events)
+        self.scheduler = Scheduler(self.manager, self.config)
+        self.drafter = _drafter(self.config.speculative_config, self.model, cache)
+        longest = cdiv(self.max_model_len, block_size) if self.max_model_len else None
+        self.runner = ModelRunner(self.model, block_size, cache.num_gpu_blocks,
+                                  cache.num_cpu_blocks, kv_cache_dtype, kv_scale,
+                                  decode_batch_sizes, cuda_graphs,
+                                  max_blocks=min(cache.num_gpu_blocks, longest or math.inf))
         self.stats: EngineStats | None = None  # of the last call
         self.last_step: Step | None = None  # the last step's batch: what a timed replay reads
         self._next_id = 0  # request ids: "0", "1", ...
@@ -264,8 +215,8 @@ class LLM:
             check = stop_string_check(params.stop, self.tokenizer)
         else:
             generators = ()
-        group = self.scheduler.add_request(request_id, ids, params, stop, generators, priority)
-        group.max_len, group.stop_check = self.max_model_len, check
+        group = self.scheduler.add_request(request_id, ids, params, stop, generators, priority,
+                                           check)
         if arrival_time is not None:
             group.metrics.arrival_time = arrival_time
         self._prompts[request_id] = text
@@ -294,7 +245,7 @@ class LLM:
         blocks cached before their keys and values were written, then re-raise."""
         try:
             with scope("pagedlab::step"):  # a scope pagedlab.profiling reads
-                step, ran, _ = run_step(self.scheduler, self.runner)
+                step, ran, _ = run_step(self.scheduler, self.runner, drafter=self.drafter)
         except BaseException:
             self.scheduler.abort_all()
             self.manager.rollback()
@@ -400,6 +351,68 @@ def _per_prompt(name: str, given, count: int, kind: type) -> list:
         if not isinstance(value, kind):
             raise TypeError(f"{name}[{i}] must be a {kind.__name__}, not {type(value).__name__}")
     return values
+
+
+def _load(model, tokenizer, kernels):
+    """The model (loaded if given as a checkpoint directory, its ``kernels`` set) and its
+    tokenizer (the checkpoint's own if it has one and none is given)."""
+    if isinstance(model, (str, os.PathLike)):
+        if tokenizer is None:
+            tokenizer = _tokenizer_in(model)
+        model = from_pretrained(model, kernels=kernels)
+    elif not isinstance(model, PagedLlama):
+        raise TypeError(f"model must be a PagedLlama or a checkpoint directory, not "
+                        f"{type(model).__name__}")
+    elif kernels is not None:
+        model.kernels = kernels
+    return model, _load_tokenizer(tokenizer)
+
+
+def _sized(cache: CacheConfig, model: PagedLlama, max_num_seqs: int,
+           max_model_len: int | None) -> CacheConfig:
+    """``cache`` with both pools sized: the GPU's by its memory budget, never past what
+    ``max_num_seqs`` sequences of ``max_model_len`` tokens can fill; the CPU's by
+    ``swap_space``."""
+    num_gpu_blocks, num_cpu_blocks = cache.num_gpu_blocks, cache.num_cpu_blocks
+    if num_gpu_blocks is None:
+        num_gpu_blocks = profile_num_blocks(model, cache.block_size,
+                                            cache.gpu_memory_utilization, cache.kv_cache_dtype,
+                                            cache.kv_cache_memory_bytes)
+        if max_model_len is not None:  # blocks past these could never be used
+            num_gpu_blocks = min(num_gpu_blocks,
+                                 max_num_seqs * cdiv(max_model_len, cache.block_size))
+    if num_cpu_blocks is None:
+        per_block = block_bytes(model, cache.block_size, cache.kv_cache_dtype)
+        num_cpu_blocks = int(cache.swap_space * (1 << 30) // per_block)
+    return replace(cache, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks)
+
+
+def _drafter(spec: SpeculativeConfig | None, model: PagedLlama,
+             cache: CacheConfig) -> Drafter | None:
+    """The proposer ``spec`` asks for, in its drafter: n-gram lookup, or a draft model cut
+    from the target (:func:`~pagedlab.engine.draft.early_exit`) with a pool as big as the
+    target's."""
+    if spec is None:
+        return None
+    if spec.method == "draft_model":
+        proposer = DraftModelProposer(early_exit(model, spec.draft_layers), cache.block_size,
+                                      cache.num_gpu_blocks)
+    else:
+        proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    return Drafter(proposer, spec.num_speculative_tokens)
+
+
+def _decode_batch_sizes(sizes: tuple[int, ...], cuda_graphs: bool,
+                        max_num_seqs: int) -> tuple[int, ...]:
+    """The decode batch sizes padded to: as given, or with ``cuda_graphs`` by default powers
+    of two up to ``max_num_seqs`` (vLLM's rule too: none above it)."""
+    for size in sizes:
+        check_positive("decode_batch_sizes", size, integer=True)
+    if not isinstance(cuda_graphs, bool):
+        raise ValueError(f"cuda_graphs={cuda_graphs!r} must be a bool")
+    if cuda_graphs and not sizes:
+        return tuple(s for s in DEFAULT_SIZES if s < max_num_seqs) + (max_num_seqs,)
+    return tuple(sizes)
 
 
 def _tokenizer_in(path) -> str | None:

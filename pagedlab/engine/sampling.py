@@ -5,116 +5,19 @@
 sample ``i`` is seeded ``seed + i`` (as vLLM does), so it equals the same request run alone
 with ``n=1, seed=seed + i``. The ``n`` samples are drawn from the prompt's logits; the
 scheduler then forks the prompt's sequence into ``n``, sharing its blocks (copy-on-write).
-Beam groups go to :mod:`pagedlab.engine.beams`. A request whose sampling raises fails alone: the
-others of its step are sampled without it.
+Beam groups go to :mod:`pagedlab.engine.beams`. A speculative decode's proposals are verified
+here too (:func:`verify_greedy`, :func:`verify_sampled`: chapter 12). A request whose sampling
+raises fails alone: the others of its step are sampled without it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import math
-
 import torch
 from torch import Tensor
 
-from pagedlab._checks import check_positive
 from pagedlab.engine.beams import beam_step
+from pagedlab.engine.params import SamplingParams
 from pagedlab.engine.sequence import GroupOutput, SequenceGroup, SequenceOutput
-from pagedlab.engine.speculative import verify_greedy, verify_sampled
-
-GREEDY_BELOW = 1e-5  # a temperature this small means greedy, as in vLLM
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to sample a request's completions (vLLM's names and defaults).
-
-    ``temperature`` 0 is greedy; ``top_k`` 0 or -1 and ``top_p`` 1 keep every token;
-    generation stops at the model's EOS (unless ``ignore_eos``), at any of
-    ``stop_token_ids``, at any of the strings ``stop`` (the output text is cut before it; needs
-    a tokenizer), or after ``max_tokens`` tokens; ``logprobs=k`` returns, for each generated
-    token, the log-probabilities of the ``k`` likeliest tokens and of the sampled one, from the
-    model's raw logits (before temperature, top-k and top-p, as vLLM V1 by default).
-    """
-
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    max_tokens: int = 16
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    stop: tuple[str, ...] = ()
-    logprobs: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: tuple[tuple[int, float], ...] = ()
-
-    def __post_init__(self):
-        check_positive("n", self.n, integer=True)
-        check_positive("max_tokens", self.max_tokens, integer=True)
-        check_positive("temperature", self.temperature, allow_zero=True)
-        check_positive("top_p", self.top_p)
-        if self.top_p > 1:
-            raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
-        if not isinstance(self.top_k, int) or not -1 <= self.top_k < 2**63:
-            raise ValueError(f"top_k={self.top_k!r} must be -1, 0 (both: off) or a positive int "
-                             "below 2**63")
-        if self.seed is not None and (
-            isinstance(self.seed, bool) or not isinstance(self.seed, int)
-            or not 0 <= self.seed < 2**63 - self.n
-        ):
-            raise ValueError(f"seed={self.seed!r} must be None or an int in [0, 2**63 - n)")
-        if self.logprobs is not None:
-            check_positive("logprobs", self.logprobs, integer=True, allow_zero=True)
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-        if not all(isinstance(s, str) and s for s in stop):
-            raise ValueError(f"stop={self.stop!r} must be non-empty strings")
-        ids = tuple(self.stop_token_ids)
-        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
-            raise ValueError(f"stop_token_ids={self.stop_token_ids!r} must be token ids (ints >= 0)")
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos={self.ignore_eos!r} must be True or False")
-        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
-            if not _finite(getattr(self, name)):
-                raise ValueError(f"{name}={getattr(self, name)!r} must be a finite number")
-        check_positive("repetition_penalty", self.repetition_penalty)
-        bias = tuple(sorted(dict(self.logit_bias).items()))
-        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 and _finite(b)
-                   for t, b in bias):
-            raise ValueError(f"logit_bias={self.logit_bias!r} must map token ids (ints >= 0) "
-                             "to finite numbers")
-        object.__setattr__(self, "stop_token_ids", ids)
-        object.__setattr__(self, "stop", stop)
-        object.__setattr__(self, "logit_bias", bias)
-
-    @property
-    def width(self) -> int:
-        """Sequences the request runs at once."""
-        return self.n
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < GREEDY_BELOW
-
-    @property
-    def adjusts_logits(self) -> bool:
-        """Does a bias or a penalty change the logits before the draw?"""
-        return bool(self.logit_bias) or (self.presence_penalty, self.frequency_penalty,
-                                         self.repetition_penalty) != (0.0, 0.0, 1.0)
-
-    def generators(self, device) -> list[torch.Generator | None]:
-        """Each sample's random stream: sample i seeded ``seed + i``; None (global) unseeded."""
-        if self.seed is None:
-            return [None] * self.n
-        return [torch.Generator(device=device).manual_seed(self.seed + i) for i in range(self.n)]
-
-
-def _finite(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def adjusted_logits(logits: Tensor, params: SamplingParams, prompt: list[int],
@@ -178,6 +81,46 @@ def sample_tokens(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Ten
     return (probs / noise).argmax(-1)  # [rows]
 
 
+# --- speculative decoding: verifying a decode's proposals ---------------------------------
+
+def verify_greedy(target: Tensor, drafts: list[int]) -> list[int]:
+    """Greedy verification: ``target`` [k + 1] holds the target's argmax after the pending
+    token and after each guess. Keep the guesses that match, then the target's own token."""
+    best = target.tolist()
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == best[accepted]:
+        accepted += 1
+    return drafts[:accepted] + [best[accepted]]
+
+
+def verify_sampled(probs: Tensor, drafts: list[int], draft_probs: Tensor | None = None,
+                   generator: torch.Generator | None = None) -> list[int]:
+    """Rejection sampling: ``probs`` [k + 1, vocab] is the target's distribution after the
+    pending token and after each guess; ``draft_probs`` [k, vocab] the proposer's (None: each
+    guess was certain). Returns the accepted guesses and one token drawn by the target."""
+    for i, x in enumerate(drafts):
+        p = probs[i]
+        q = 1.0 if draft_probs is None else float(draft_probs[i, x])
+        u = float(torch.rand((), generator=generator, device=probs.device))
+        if u * q < float(p[x]):  # u < min(1, p(x) / q(x)), without dividing by q = 0
+            continue
+        if draft_probs is None:
+            residual = p.clone()
+            residual[x] = 0.0
+        else:
+            residual = (p - draft_probs[i]).clamp_(min=0.0)
+        return drafts[:i] + [_draw(residual, generator)]
+    return drafts + [_draw(probs[len(drafts)], generator)]
+
+
+def _draw(weights: Tensor, generator) -> int:
+    """A token with probability proportional to ``weights`` [vocab] (all zero: the argmax,
+    which rounding alone can bring about when ``p`` and ``q`` agree)."""
+    if not float(weights.sum()) > 0:
+        return int(weights.argmax())
+    return int(torch.multinomial(weights, 1, generator=generator))
+
+
 class Sampler:
     """Turns a step's logits into each group's children (the model-side half of a step).
 
@@ -211,7 +154,7 @@ class Sampler:
             if group.is_beam_search:
                 outputs.append(beam_step(group, seqs, logprobs[[rows[s.seq_id] for s in seqs]]))
                 continue
-            if not group.is_prefilled:  # the prompt's logits give all n samples
+            if not group.has_output:  # the prompt's logits give all n samples
                 (seq,) = seqs
                 pairs = [(seq, generator) for generator in group.generators]
             else:

@@ -35,10 +35,14 @@ unless another is given):
    is a request of its own).
 6. A request that can never run, the whole cache being too small for it, fails alone with a
    :class:`CacheTooSmall` error; its blocks are freed and the others go on.
-7. With speculative decoding (``speculative_config``), once every running group has its
-   token, decodes take proposals while the budget and the free blocks last; :meth:`update`
-   truncates each sequence to what verification accepted, so no proposal outlives its step
-   (chapter 12).
+7. With speculative decoding, once every running group has its token, decodes take the
+   proposals stored on their sequences (``spec_token_ids``, drafted after the last step) while
+   the budget and the free blocks last; :meth:`update` gives back the slots of the proposals
+   verification rejected, so none outlives its step (chapter 12).
+
+Every chunk starts at its sequence's ``num_computed_tokens``, and every block comes from one
+question to the manager, :meth:`~pagedlab.memory.KVCacheManager.allocate_slots`: it takes
+the blocks if they fit and answers None if not.
 
 Within a step, preempting comes before appending to a group, and a step's copies run swap
 first, then copy-on-write, then the forward pass.
@@ -96,61 +100,96 @@ class Scheduler(RequestLifecycle):
             self._admit(step)
             if step.is_empty:
                 head = self.swapped[0] if self.swapped else self.waiting[0]
-                self._fail(head, self._too_small(head, self._blocks_to_resume(head)), step)
+                self._fail(head, self._too_small(head, self._blocks_to_start(head)), step)
 
     def _fail(self, group: SequenceGroup, error: Exception, step: Step) -> None:
         """Rule 6: a request that can never run finishes with ``error``; the others go on."""
         self._end(group, "error", error)
         step.failed.append(group)
 
+    # --- running groups: decode, or give way (rule 1) ----------------------------------------
+
     def _schedule_running(self, step: Step) -> None:
-        """Decodes first, in the policy's order, preempting from the order's end when the
-        blocks run out; then the next chunk of each group still prefilling."""
+        """Decodes first, in the policy's order; then the proposals the decodes carry
+        (chapter 12), then the next chunk of the group still prefilling (chapter 9)."""
         queue = deque(ranked(self.config.policy, self.running))  # first served first
-        prefilling = []  # in the policy's order, for after decodes
-        self.running = []
+        self.running, prefilling = [], []
         while queue:
             group = queue.popleft()
-            if self._prefilling(group):
-                prefilling.append(group)
-                continue
-            need = self.manager.blocks_to_append([s.seq_id for s in group.live])
-            while need > self.manager.num_free_blocks and queue:
-                self._preempt(queue.pop(), step)  # the policy's last (FCFS: latest) gives way
-            if need <= self.manager.num_free_blocks:
-                self._decode(group, step)
-            elif self.running or prefilling:
-                self._preempt(group, step)  # it is itself the policy's last left
-            else:  # alone in the cache and still it cannot grow
-                self._fail(group, self._too_small(group, need + self.manager.num_used_blocks),
-                           step)
-        if self.proposer is not None:
-            self._speculate(step)
+            if self._is_prefilling(group):
+                prefilling.append(group)  # its next chunk comes after every decode
+            else:
+                self._decode_or_preempt(group, queue, bool(prefilling), step)
+        self._take_proposals(step)
         for group in prefilling:
             self._prefill_next(group, step)
 
-    def _speculate(self, step: Step) -> None:
-        """Give this step's decodes proposals to verify, while the budget and the free blocks
-        last: after every running group has its token, so speculation never preempts anyone.
-        The proposals' slots are reserved now and given back by :meth:`update` for those the
-        verification rejects; until then no block holding one enters the prefix cache."""
-        k_max, left = self.config.speculative_config.num_speculative_tokens, self._budget_left(step)
-        index = {c.seq.seq_id: i for i, c in enumerate(step.decodes)}
-        self.proposer.start_step([s for g in step.groups if not g.is_beam_search for s in g.live])
-        for group in step.groups:
-            if group.is_beam_search:
-                continue
+    def _decode_or_preempt(self, group: SequenceGroup, queue: deque, others: bool,
+                           step: Step) -> None:
+        """Decode ``group``, preempting the policy's last running group (FCFS: the latest
+        arrival) until its blocks fit. With nobody after it left, it gives way itself if any
+        group runs on (``others``: one set aside, still prefilling); alone in the cache and
+        still unable to grow, it fails (rule 6)."""
+        while not self._decode(group, step):
+            if queue:
+                self._preempt(queue.pop(), step)
+            elif self.running or others:
+                self._preempt(group, step)
+                return
+            else:
+                need = self.manager.blocks_needed({s.seq_id: 1 for s in group.live})
+                self._fail(group, self._too_small(group, need + self.manager.num_used_blocks),
+                           step)
+                return
+
+    def _decode(self, group: SequenceGroup, step: Step) -> bool:
+        """Store each live sequence's pending token, if its blocks fit (else False): its key
+        and value come this step."""
+        seqs = group.live
+        if self.manager.allocate_slots({s.seq_id: [s.last_token_id] for s in seqs}) is None:
+            return False
+        step.decodes += [self._chunk(s, s.num_computed_tokens, 1) for s in seqs]
+        group.status = GroupStatus.RUNNING
+        self.running.append(group)
+        step.groups.append(group)
+        return True
+
+    def _preempt(self, group: SequenceGroup, step: Step) -> None:
+        """Evict a whole group: to the CPU pool when swapping, if it can go there; else to
+        recompute from its first token."""
+        if self.config.preemption_mode == "swap" and self._can_swap(group):
+            mode, group.status = "swap", GroupStatus.SWAPPED
+            step.swap_out += self.manager.swap_out(*(s.seq_id for s in group.live))
+            enqueue(self.config.policy, self.swapped, group)
+        else:
+            mode, group.status = "recompute", GroupStatus.WAITING  # or the CPU pool is full
             for seq in group.live:
-                k = min(k_max, left, self.manager.room(seq.seq_id),
-                        group.params.max_tokens - len(seq.output_token_ids) - 1,  # the bonus
-                        k_max if group.max_len is None else group.max_len - len(seq) - 1)
-                draft = self.proposer.propose(seq.token_ids, k, seq.seq_id) if k > 0 else []
-                if draft:
-                    self.manager.append(seq.seq_id, draft, num_speculative=len(draft))
-                    step.decodes[index[seq.seq_id]] = Chunk.of(
-                        self.manager, seq, len(seq) - 1, 1 + len(draft), draft)
-                    step.num_draft_tokens += len(draft)
-                    left -= len(draft)
+                self.manager.free(seq.seq_id)
+                seq.num_computed_tokens = 0
+            enqueue(self.config.policy, self.waiting, group)  # FCFS: before later arrivals
+        step.preempted.append((group, mode))
+
+    def _can_swap(self, group: SequenceGroup) -> bool:
+        """Does the CPU pool hold the group, and is it past its prompt? (A prompt part-way
+        through its chunks is recomputed: chapter 9.)"""
+        return (not self._is_prefilling(group)
+                and self.manager.can_swap_out(*(s.seq_id for s in group.live)))
+
+    def _take_proposals(self, step: Step) -> None:
+        """Give this step's decodes their proposals to verify, while the budget and the free
+        blocks last: after every running group has its token, so speculation never preempts
+        anyone. The proposals' slots are reserved now; :meth:`update` gives back those the
+        verification rejects, and until then no block holding one enters the prefix cache."""
+        left = self._budget_left(step)
+        for i, chunk in enumerate(step.decodes):
+            seq = chunk.seq
+            k = min(len(seq.spec_token_ids), left, self.manager.room(seq.seq_id))
+            draft, seq.spec_token_ids = seq.spec_token_ids[:k], []
+            if draft:
+                self.manager.allocate_slots({seq.seq_id: draft}, num_speculative=k)
+                step.decodes[i] = self._chunk(seq, chunk.start, 1 + k, draft)
+                step.num_draft_tokens += k
+                left -= k
 
     def _prefill_next(self, group: SequenceGroup, step: Step) -> None:
         """The next chunk of a group still prefilling: as many of its tokens as the budget and
@@ -164,134 +203,119 @@ class Scheduler(RequestLifecycle):
         """
         (seq,) = group.live
         self.running.append(group)
-        start = self.manager.num_tokens(seq.seq_id)
-        n = min(len(seq) - start, self._budget_left(step), self.manager.room(seq.seq_id))
+        start = seq.num_computed_tokens
+        n = min(seq.num_uncomputed_tokens, self._budget_left(step), self.manager.room(seq.seq_id))
         if n:
-            self.manager.append(seq.seq_id, seq.token_ids[start : start + n])
-            self._add_prefill(group, [Chunk.of(self.manager, seq, start, n)], step)
+            self.manager.allocate_slots({seq.seq_id: seq.token_ids[start:start + n]})
+            self._add(group, [self._chunk(seq, start, n)], step)
+
+    # --- waiting and swapped groups: admission (rules 3 to 5) -------------------------------
 
     def _schedule_swapped(self, step: Step) -> None:
+        """Bring swapped groups back in the policy's order while their blocks (and next
+        decode) fit above the watermark and the budget holds their decodes."""
         while self.swapped:
             group = self.swapped[0]
-            if (not self._can_resume(group, group.blocks_to_swap_in)
-                    or len(group.live) > self._budget_left(step)):  # its decodes' tokens
+            ids = [s.seq_id for s in group.live]
+            if not self._has_seats(group) or len(ids) > self._budget_left(step):
+                return
+            pairs = self.manager.swap_in(*ids, keep_free=self.watermark_blocks)
+            if pairs is None:
                 return
             self.swapped.pop(0)
-            step.swap_in += self.manager.swap_in(*(s.seq_id for s in group.live))
+            step.swap_in += pairs
             step.swapped_in.append(group)
-            self._decode(group, step)
+            self._decode(group, step)  # it fits: swap_in counted its decode's blocks
 
     def _schedule_waiting(self, step: Step) -> None:
-        """Admit waiting groups while they fit: with chunked prefill each starts with a chunk
-        of what is left of the budget; without, a prompt must fit whole (or run alone)."""
-        chunked = self.config.chunked_prefill
+        """Admit waiting groups in the policy's order while their first chunks fit; the first
+        that does not fit stops the queue."""
         while self.waiting:
             group = self.waiting[0]
-            budget = self._budget_left(step)
-            if len(group.live) > 1:  # a forked group recomputed: its prompt once, unchunked
-                shared = group.shared_prompt(self.manager.block_size)
-                tokens = sum(map(len, group.live)) - (len(group.live) - 1) * shared
-                if not self._can_resume(group, self._blocks_to_resume(group)):
-                    return
-                if tokens > budget and not step.is_empty:  # too big for the budget: runs alone
-                    return
-                self.waiting.popleft()
-                chunks = self._allocate(group)
-            else:
-                (seq,) = group.live
-                hits = self.manager.cached_prefix(seq.token_ids)
-                n = len(seq) - hits
-                if chunked:
-                    n = min(n, budget)
-                elif n > budget and not step.is_empty:  # too big for the budget: runs alone
-                    return
-                if not n or not self._can_resume(group, self.manager.blocks_for(hits + n)):
-                    return
-                self.waiting.popleft()
-                self.manager.allocate(seq.seq_id, seq.token_ids[: hits + n], prompt_len=len(seq))
-                chunks = [Chunk.of(self.manager, seq, hits, n)]
+            chunks = self._has_seats(group) and self._start(group, step)
+            if not chunks:
+                return
+            self.waiting.popleft()
             if group.metrics.first_scheduled_time is None:
                 group.metrics.first_scheduled_time = time.monotonic()
             group.status = GroupStatus.RUNNING
             self.running.append(group)
-            self._add_prefill(group, chunks, step)
+            self._add(group, chunks, step)
 
-    def _add_prefill(self, group: SequenceGroup, chunks: list[Chunk], step: Step) -> None:
+    def _start(self, group: SequenceGroup, step: Step) -> list[Chunk] | None:
+        """A waiting group's first chunk, its blocks taken above the watermark, or None if it
+        does not fit: its prompt from the first token the prefix cache does not hold, as much
+        of it as the budget allows (:meth:`_first_chunk`). A recomputed forked group: its
+        shared prompt once (rule 5)."""
+        if len(group.live) > 1:
+            return self._start_forked(group, step)
+        (seq,) = group.live
+        start = self.manager.cached_prefix(seq.token_ids)
+        n = self._first_chunk(len(seq) - start, step)
+        if not n or self.manager.allocate_slots({seq.seq_id: seq.token_ids[:start + n]},
+                                                keep_free=self.watermark_blocks,
+                                                prompt_len=len(seq)) is None:
+            return None
+        return [self._chunk(seq, start, n)]
+
+    def _first_chunk(self, n: int, step: Step) -> int:
+        """How many of a prompt's ``n`` tokens to compute start in this step: with chunked
+        prefill, what the budget leaves (chapter 9); without, all or none, unless the step is
+        empty: a prompt bigger than the budget then runs alone."""
+        budget = self._budget_left(step)
+        if self.config.chunked_prefill:
+            return min(n, budget)
+        return n if n <= budget or step.is_empty else 0
+
+    def _start_forked(self, group: SequenceGroup, step: Step) -> list[Chunk] | None:
+        """A recomputed forked group (parallel samples, beams): one sequence computes the
+        prompt's full blocks, the others fork them and compute their own tokens, unchunked."""
+        seqs, shared = group.live, group.shared_prompt(self.manager.block_size)
+        tokens = sum(map(len, seqs)) - (len(seqs) - 1) * shared
+        if tokens > self._budget_left(step) and not step.is_empty:  # runs alone
+            return None
+        starts = self.manager.allocate_slots({s.seq_id: s.token_ids for s in seqs},
+                                             keep_free=self.watermark_blocks, shared=shared)
+        if starts is None:
+            return None
+        return [self._chunk(s, starts[s.seq_id], len(s) - starts[s.seq_id]) for s in seqs]
+
+    # --- the step's chunks, and what is left of its budget ----------------------------------
+
+    def _chunk(self, seq, start: int, num_tokens: int, draft: list[int] = ()) -> Chunk:
+        """``num_tokens`` of ``seq``'s tokens from ``start``, their slots taken: the
+        sequence's progress moves past them."""
+        seq.num_computed_tokens = start + num_tokens
+        return Chunk.of(self.manager, seq, start, num_tokens, draft)
+
+    def _add(self, group: SequenceGroup, chunks: list[Chunk], step: Step) -> None:
         step.prefills += chunks
         step.groups.append(group)
-        if not chunks[-1].is_sampled:
-            step.partial.append(group)
 
-    def _allocate(self, group: SequenceGroup) -> list[Chunk]:
-        """Blocks for a recomputed forked group's prefill (its prompt's full blocks computed
-        once, then shared), and each sequence's chunk."""
-        seqs = group.live
-        starts = self.manager.allocate_shared([s.seq_id for s in seqs],
-                                              [s.token_ids for s in seqs],
-                                              group.shared_prompt(self.manager.block_size))
-        return [Chunk.of(self.manager, s, start, len(s) - start) for s, start in zip(seqs, starts)]
-
-    def _decode(self, group: SequenceGroup, step: Step) -> None:
-        """Store each live sequence's pending token; its key and value come this step."""
-        for seq in group.live:
-            self.manager.append(seq.seq_id, [seq.last_token_id])
-            step.decodes.append(Chunk.of(self.manager, seq, len(seq) - 1, 1))
-        group.status = GroupStatus.RUNNING
-        self.running.append(group)
-        step.groups.append(group)
-
-    def _preempt(self, group: SequenceGroup, step: Step) -> None:
-        """Evict a whole group: to the CPU pool if swapping (and it fits, and it is past its
-        prefill), else to recompute."""
-        ids = [s.seq_id for s in group.live]
-        mode = self.config.preemption_mode
-        if mode == "swap" and not self._prefilling(group) and self.manager.can_swap_out(*ids):
-            decode_need = self.manager.blocks_to_append(ids)  # the same once it is back
-            pairs = self.manager.swap_out(*ids)
-            step.swap_out += pairs
-            group.blocks_to_swap_in = len(pairs) + decode_need
-            group.status = GroupStatus.SWAPPED
-            enqueue(self.config.policy, self.swapped, group)
-        else:
-            mode = "recompute"  # also the fallback when the CPU pool is full
-            for seq_id in ids:
-                self.manager.free(seq_id)
-            group.status = GroupStatus.WAITING
-            enqueue(self.config.policy, self.waiting, group)  # FCFS: before later arrivals
-        if self.proposer is not None:  # a draft's cache is neither swapped nor kept
-            for seq_id in ids:
-                self.proposer.free(seq_id)
-        step.preempted.append((group, mode))
-
-    # --- block, token and seat arithmetic ---------------------------------------------------
-
-    def _prefilling(self, group: SequenceGroup) -> bool:
-        """Is a running group still short of its prompt (more than one token not cached)?"""
-        seqs = group.live
-        return len(seqs) == 1 and self.manager.num_tokens(seqs[0].seq_id) < len(seqs[0]) - 1
+    def _is_prefilling(self, group: SequenceGroup) -> bool:
+        """Does a running group still lack more of its prompt than the pending token?"""
+        return any(s.num_uncomputed_tokens > 1 for s in group.live)
 
     def _budget_left(self, step: Step) -> int:
         """Tokens the step can still take (none once a prefill too big for the budget ran)."""
         used = sum(c.num_tokens for c in step.prefills) + len(step.decodes) + step.num_draft_tokens
         return max(0, self.config.token_budget - used)
 
-    def _blocks_to_resume(self, group: SequenceGroup) -> int:
-        """GPU blocks a swapped group's return and next decode take, or a waiting group's
-        first step (prefix hits ignored): its first chunk, or all its tokens unchunked."""
-        if group.status is GroupStatus.SWAPPED:
-            return group.blocks_to_swap_in
-        if len(group.live) == 1 and self.config.chunked_prefill:
-            return self.manager.blocks_for(min(len(group.live[0]), self.config.token_budget))
-        shared = group.shared_prompt(self.manager.block_size)
-        return shared // self.manager.block_size + sum(
-            self.manager.blocks_for(len(seq) - shared) for seq in group.live)
-
-    def _can_resume(self, group: SequenceGroup, blocks: int) -> bool:
-        """Would a waiting or swapped group's ``blocks`` fit now above the watermark, and its
-        seats under ``max_num_seqs``?"""
-        room = self.manager.num_free_blocks - self.watermark_blocks
+    def _has_seats(self, group: SequenceGroup) -> bool:
+        """Would a waiting or swapped group's sequences fit under ``max_num_seqs``?"""
         seats = sum(g.max_seqs for g in self.running) + group.max_seqs
-        return blocks <= room and seats <= self.config.max_num_seqs
+        return seats <= self.config.max_num_seqs
+
+    def _blocks_to_start(self, group: SequenceGroup) -> int:
+        """GPU blocks the head of a queue needs to run at all: a swapped group's return and
+        decode; a waiting group's first chunk, or all its tokens unchunked (prefix hits
+        ignored)."""
+        if group.status is GroupStatus.SWAPPED:
+            return self.manager.blocks_to_swap_in(*(s.seq_id for s in group.live))
+        budget = self.config.token_budget if self.config.chunked_prefill else None
+        first = {s.seq_id: len(s) if len(group.live) > 1 or budget is None
+                 else min(len(s), budget) for s in group.live}
+        return self.manager.blocks_needed(first, group.shared_prompt(self.manager.block_size))
 
     def _too_small(self, group: SequenceGroup, need: int) -> CacheTooSmall:
         m = self.manager

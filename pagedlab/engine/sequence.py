@@ -3,8 +3,12 @@
 A request becomes a :class:`SequenceGroup`: one sequence at first, ``n`` after its prompt when
 it samples in parallel, up to ``beam_width`` beams in beam search. The group is the unit of
 scheduling: its sequences share blocks, so they are admitted, preempted, swapped and resumed
-together. A sequence's last output token is *pending*: sampled, but its key and value are
-written only by the next step's forward pass.
+together.
+
+A sequence carries its own progress, ``num_computed_tokens`` (vLLM V1's name): how many of its
+tokens have keys and values in the cache. Every chunk the scheduler forms starts there; a
+prompt being prefilled is simply far behind, a decoding sequence one token behind: its last
+output token is *pending*, sampled but written only by the next step's forward pass.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ class Sequence:
     finish_reason: str | None = None  # "stop", "length", "abort" or "error" once finished
     stop_reason: int | str | None = None  # the stop token or stop string that ended it
     logprobs: list[dict[int, float]] | None = None  # per output token, if requested
+    num_computed_tokens: int = 0  # tokens whose keys and values are (being) cached
+    spec_token_ids: list[int] = field(default_factory=list)  # proposals for the next step
 
     @property
     def token_ids(self) -> list[int]:
@@ -53,6 +59,11 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens the cache still lacks: 1 (the pending token) for a decoding sequence."""
+        return len(self) - self.num_computed_tokens
 
     def append(self, token: int, logprob: float, top: dict[int, float] | None = None) -> None:
         """Take a sampled token; ``top`` holds the log-probabilities asked for (``logprobs``)."""
@@ -72,6 +83,7 @@ class Sequence:
             self.output_token_ids.copy(),
             self.cumulative_logprob,
             logprobs=None if self.logprobs is None else self.logprobs.copy(),
+            num_computed_tokens=self.num_computed_tokens,
         )
 
 
@@ -126,7 +138,6 @@ class SequenceGroup:
     generators: list = field(default_factory=list)  # [n] torch.Generator or None
     status: GroupStatus = GroupStatus.WAITING
     completed: list = field(default_factory=list)  # BeamSearchSequence, beam search only
-    blocks_to_swap_in: int = 0  # while swapped out: GPU blocks to come back and decode
     max_len: int | None = None
     stop_check: Callable[[Sequence], str | None] | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
@@ -141,15 +152,16 @@ class SequenceGroup:
         return [s for s in self.seqs if not s.is_finished]
 
     @property
-    def is_prefilled(self) -> bool:
-        """Has the prompt been through the model once (so the group has forked, if it will)?"""
+    def has_output(self) -> bool:
+        """Has the group sampled yet? Its first sampling draws all ``n`` samples from the
+        prompt's logits (and forks); after it, each live sequence samples its own."""
         return any(s.output_token_ids for s in self.seqs)
 
     @property
     def max_seqs(self) -> int:
         """Sequences it may run at once: the seats admission reserves for it. Parallel samples
         only ever finish; beams may come back to ``beam_width`` after some ended."""
-        if self.is_prefilled and not self.is_beam_search:
+        if self.has_output and not self.is_beam_search:
             return len(self.live)
         return self.params.width
 

@@ -5,32 +5,26 @@ pending token and the ``k`` guesses through the target model at once (causal wit
 sequence, like a prefill chunk) and keeps the longest prefix the target agrees with, plus one
 token of the target's own, so a step yields between 1 and ``k + 1`` tokens.
 
-Greedy requests accept a guess when it is the target's argmax, so the output is the one
-decoding without speculation gives. Sampled requests use the rejection rule of Leviathan et
-al. (2023) and Chen et al. (2023): accept guess ``x`` drawn from ``q`` with probability
-``min(1, p(x) / q(x))``; at the first rejection draw from ``max(p - q, 0)`` renormalized;
-after ``k`` acceptances draw the bonus token from ``p``. Each emitted token is then
-distributed exactly as the target's ``p`` (chapter 12 proves it). A proposal that is not
-random (n-gram lookup, a draft model's argmax) is a point mass: ``q(x) = 1``.
+The work is split as vLLM V1 splits it, each part in one place:
 
-Proposers share the small interface of :class:`Proposer`. A draft model
-(:mod:`pagedlab.engine.draft`) keeps K/V of its own, so it also hears which proposals were
-accepted and when a sequence leaves the running batch.
-
-The paged cache's side (slots reserved for the guesses, rolled back when they are rejected,
-never cached before they are verified) is the scheduler's and the manager's:
-:meth:`~pagedlab.memory.KVCacheManager.append` with ``num_speculative`` and
-:meth:`~pagedlab.memory.KVCacheManager.truncate`.
+- proposing, here: after a step's tokens are applied, a :class:`Drafter` asks the proposer
+  for each running sequence's guesses and stores them on the sequence (``spec_token_ids``,
+  as V1's ``update_draft_token_ids``). Proposers share the small interface of
+  :class:`Proposer`: n-gram lookup here, a draft model in :mod:`pagedlab.engine.draft`.
+- scheduling: the scheduler takes as many guesses as its token budget and the free blocks
+  allow, reserving their slots; it never runs a model.
+- verifying: the sampler keeps the guesses the target agrees with (greedy) or accepts them
+  by the rejection rule (sampled), :func:`~pagedlab.engine.sampling.verify_sampled`.
+- rolling back: the scheduler's update gives back the rejected guesses' slots
+  (:meth:`~pagedlab.memory.KVCacheManager.truncate`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-from torch import Tensor
-
 from pagedlab._checks import check_positive
+from pagedlab.engine.sequence import Sequence, SequenceGroup
 
 METHODS = ("ngram", "draft_model")
 
@@ -79,37 +73,21 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config has unknown fields {sorted(unknown)}")
         return cls(**config)
 
-    def proposer(self, model=None, block_size: int = 16, num_blocks: int = 1024) -> Proposer:
-        """The configured proposer; a draft model is cut from the target ``model`` and gets
-        a cache of ``num_blocks`` blocks of ``block_size`` tokens."""
-        if self.method == "ngram":
-            return NgramProposer(self.prompt_lookup_min, self.prompt_lookup_max)
-        if model is None:
-            raise ValueError("speculative method 'draft_model' needs the target model: "
-                             "an LLM builds its proposer (the simulator has none)")
-        from pagedlab.engine.draft import DraftModelProposer, early_exit
-
-        return DraftModelProposer(early_exit(model, self.draft_layers), block_size, num_blocks,
-                                  self.num_speculative_tokens)
-
 
 class Proposer:
-    """What the scheduler asks of a proposer. Only :meth:`propose` is required; the hooks
-    are for a proposer with state per sequence (a draft model's cache), and do nothing here."""
+    """What a :class:`Drafter` asks of a proposer: guesses for a batch of sequences."""
 
-    def start_step(self, seqs) -> None:
-        """The step's decoding sequences, before any is asked: a model drafts them together."""
+    def propose_all(self, seqs: list[Sequence], k: int) -> dict[int, list[int]]:
+        """Up to ``k`` guesses for the tokens after each of ``seqs``, by sequence id.
 
-    def propose(self, token_ids: list[int], k: int, seq_id=None) -> list[int]:
-        """Up to ``k`` guesses for the tokens after ``token_ids`` (sequence ``seq_id``)."""
+        Called after every step with the sequences that decode next, and only them: a
+        proposer that keeps state per sequence (a draft model's cache) drops the others'.
+        """
+        return {seq.seq_id: self.propose(seq.token_ids, k) for seq in seqs}
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        """Up to ``k`` guesses for the tokens after ``token_ids``, one sequence alone."""
         raise NotImplementedError
-
-    def keep(self, seq_id, num_tokens: int) -> None:
-        """Verification kept the first ``num_tokens`` tokens of ``seq_id`` (the rest of what
-        it was proposed was rejected)."""
-
-    def free(self, seq_id) -> None:
-        """``seq_id`` left the running batch (finished, aborted or preempted)."""
 
 
 class NgramProposer(Proposer):
@@ -120,7 +98,7 @@ class NgramProposer(Proposer):
     def __init__(self, min_n: int = 1, max_n: int = 4):
         self.min_n, self.max_n = min_n, max_n
 
-    def propose(self, token_ids: list[int], k: int, seq_id=None) -> list[int]:
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
         """``k`` guesses for the tokens after ``token_ids`` (none if no n-gram recurs).
 
         The guesses copy what followed the match; a match that ends less than ``k`` tokens
@@ -140,42 +118,31 @@ class NgramProposer(Proposer):
         return []
 
 
-def verify_greedy(target: Tensor, drafts: list[int]) -> list[int]:
-    """Greedy verification: ``target`` [k + 1] holds the target's argmax after the pending
-    token and after each guess. Keep the guesses that match, then the target's own token."""
-    best = target.tolist()
-    accepted = 0
-    while accepted < len(drafts) and drafts[accepted] == best[accepted]:
-        accepted += 1
-    return drafts[:accepted] + [best[accepted]]
+class Drafter:
+    """Proposals for the next step, made once a step's tokens are applied (V1's runner drafts
+    after sampling; its scheduler stores the guesses with ``update_draft_token_ids``).
 
+    Every running sequence whose next step is a decode gets up to ``num_speculative_tokens``
+    guesses in ``seq.spec_token_ids``, cut so that with the target's own token the sequence
+    passes neither its request's ``max_tokens`` nor ``max_len``. Beam search gets none. The
+    scheduler then takes what its budget and the free blocks allow.
+    """
 
-def verify_sampled(probs: Tensor, drafts: list[int], draft_probs: Tensor | None = None,
-                   generator: torch.Generator | None = None) -> list[int]:
-    """Rejection sampling: ``probs`` [k + 1, vocab] is the target's distribution after the
-    pending token and after each guess; ``draft_probs`` [k, vocab] the proposer's (None: each
-    guess was certain). Returns the accepted guesses and one token drawn by the target."""
-    for i, x in enumerate(drafts):
-        p = probs[i]
-        q = 1.0 if draft_probs is None else float(draft_probs[i, x])
-        u = float(torch.rand((), generator=generator, device=probs.device))
-        if u * q < float(p[x]):  # u < min(1, p(x) / q(x)), without dividing by q = 0
-            continue
-        if draft_probs is None:
-            residual = p.clone()
-            residual[x] = 0.0
-        else:
-            residual = (p - draft_probs[i]).clamp_(min=0.0)
-        return drafts[:i] + [_draw(residual, generator)]
-    return drafts + [_draw(probs[len(drafts)], generator)]
+    def __init__(self, proposer: Proposer, num_speculative_tokens: int):
+        self.proposer, self.k = proposer, num_speculative_tokens
 
-
-def _draw(weights: Tensor, generator) -> int:
-    """A token with probability proportional to ``weights`` [vocab] (all zero: the argmax,
-    which rounding alone can bring about when ``p`` and ``q`` agree)."""
-    if not float(weights.sum()) > 0:
-        return int(weights.argmax())
-    return int(torch.multinomial(weights, 1, generator=generator))
+    def __call__(self, running: list[SequenceGroup]) -> None:
+        seqs = [seq for group in running if not group.is_beam_search for seq in group.live
+                if seq.num_computed_tokens == len(seq) - 1]  # decoding: only its pending token
+        guesses = self.proposer.propose_all(seqs, self.k)
+        for group in running:
+            if group.is_beam_search:
+                continue
+            for seq in group.live:
+                limit = group.params.max_tokens - len(seq.output_token_ids) - 1  # the bonus
+                if group.max_len is not None:
+                    limit = min(limit, group.max_len - len(seq) - 1)
+                seq.spec_token_ids = guesses.get(seq.seq_id, [])[:max(limit, 0)]
 
 
 @dataclass

@@ -5,7 +5,8 @@ their positions, cache slots and block table) and the block copies to make first
 carries it out and returns a :class:`StepOutput`: the model runner runs the model and samples
 (as vLLM's ``ModelRunnerOutput`` carries sampled tokens), the simulator's executor prices the
 step with a cost model and samples placeholders. :func:`run_step` is the loop body the engine
-and the simulator share: schedule, execute, apply.
+and the simulator share: schedule, execute, apply (and, with speculative decoding, draft the
+next step's proposals).
 """
 
 from __future__ import annotations
@@ -34,16 +35,17 @@ class Chunk:
     num_tokens: int  # query tokens this step (1 for a decode)
     block_table: list[int]  # the sequence's GPU blocks, this step's included
     slots: list[int]  # cache slot of each query token: where its key and value go
+    is_sampled: bool  # does it reach the sequence's last token, whose logits pick the next?
     draft: list[int] = field(default_factory=list)  # proposals after a decode's token
 
     @classmethod
     def of(cls, manager: KVCacheManager, seq: Sequence, start: int, num_tokens: int,
            draft: list[int] = ()) -> Chunk:
         """``num_tokens`` tokens of ``seq`` from ``start`` (its last ``len(draft)`` the
-        proposals ``draft``), once ``manager`` holds them."""
+        proposals ``draft``, whose logits verify them), once ``manager`` holds them."""
         slots = manager.slot_mapping(seq.seq_id, start, start + num_tokens)
         return cls(seq, start, num_tokens, manager.block_table(seq.seq_id), slots,
-                   list(draft))
+                   start + num_tokens - len(draft) == len(seq), list(draft))
 
     @property
     def context_len(self) -> int:
@@ -55,12 +57,6 @@ class Chunk:
         if self.draft:  # a speculative decode: the pending token, then the proposals
             return [self.seq.token_ids[self.start], *self.draft]
         return self.seq.token_ids[self.start : self.context_len]
-
-    @property
-    def is_sampled(self) -> bool:
-        """Does the chunk reach the sequence's last token, whose logits pick the next one?
-        (A speculative decode's logits at each proposal verify it, too.)"""
-        return self.context_len - len(self.draft) == len(self.seq)
 
 
 @dataclass
@@ -76,7 +72,6 @@ class Step:
     preempted: list[tuple[SequenceGroup, str]] = field(default_factory=list)  # (group, mode)
     swapped_in: list[SequenceGroup] = field(default_factory=list)
     failed: list[SequenceGroup] = field(default_factory=list)  # can never run: finished
-    partial: list[SequenceGroup] = field(default_factory=list)  # prefilling, not sampling yet
     num_draft_tokens: int = 0  # proposals the decodes carry (speculative decoding)
     stats: StepStats | None = None
 
@@ -99,10 +94,11 @@ class Step:
 
     @property
     def sampled_groups(self) -> list[SequenceGroup]:
-        """The groups that sample this step: all but those still prefilling."""
-        if not self.partial:
+        """The groups that sample this step: all but one whose prompt chunk stops short."""
+        short = [c.seq for c in self.prefills if not c.is_sampled]
+        if not short:
             return self.groups
-        return [g for g in self.groups if g not in self.partial]
+        return [g for g in self.groups if not any(s in short for s in g.seqs)]
 
     @property
     def is_empty(self) -> bool:
@@ -149,16 +145,21 @@ class Executor(Protocol):
 
 
 def run_step(scheduler, executor: Executor, observe: Callable[[Step, StepOutput], None] | None
-             = None) -> tuple[Step, StepOutput, list[SequenceGroup]]:
+             = None, drafter=None) -> tuple[Step, StepOutput, list[SequenceGroup]]:
     """One step of the serving loop: the scheduler forms a batch, the executor runs it, the
-    scheduler applies its outputs (fork, prune, stop, free). ``observe(step, output)``, if
-    given, sees the step once it ran, before its outputs change the queues and the cache.
-    Returns the step, what it produced and the groups that finished."""
+    scheduler applies its outputs (fork, prune, verify, stop, free); a ``drafter``
+    (:class:`~pagedlab.engine.speculative.Drafter`, speculative decoding) then proposes the
+    next step's guesses. ``observe(step, output)``, if given, sees the step once it ran,
+    before its outputs change the queues and the cache. Returns the step, what it produced
+    and the groups that finished."""
     step = scheduler.schedule()
     ran = executor.execute(step)
     if observe is not None:
         observe(step, ran)
-    return step, ran, scheduler.update(ran.outputs)
+    finished = scheduler.update(ran.outputs)
+    if drafter is not None:
+        drafter(scheduler.running)
+    return step, ran, finished
 
 
 class Placeholders:
@@ -177,7 +178,7 @@ class Placeholders:
                                  "rank beams")
             if group.params.n == 1:  # the common case, kept fast: one sequence, one token
                 children = [SequenceOutput(group.seqs[0], token, 0.0)]
-            elif group.is_prefilled:
+            elif group.has_output:
                 children = [SequenceOutput(s, token, 0.0) for s in group.live]
             else:  # the prompt's step starts all n samples from the one sequence
                 children = [SequenceOutput(group.seqs[0], token, 0.0)] * group.params.n
@@ -188,11 +189,11 @@ class Placeholders:
         return StepOutput(self.outputs(step))
 
 
-def drive(scheduler, executor: Executor | None = None) -> list[Step]:
+def drive(scheduler, executor: Executor | None = None, drafter=None) -> list[Step]:
     """Run ``scheduler`` until no request is left (with :class:`Placeholders` by default);
     return its steps."""
     executor = executor or Placeholders()
     steps = []
     while scheduler.has_unfinished:
-        steps.append(run_step(scheduler, executor)[0])
+        steps.append(run_step(scheduler, executor, drafter=drafter)[0])
     return steps

@@ -16,7 +16,7 @@ finished sequences after the step, and swaps in only in steps that swapped nothi
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 from pagedlab._arith import cdiv
@@ -158,22 +158,57 @@ class KVCacheManager:
         made the last block private."""
         return -self.num_tokens(seq_id) % self.block_size + self.gpu.num_free * self.block_size
 
-    def blocks_to_append(self, seq_ids: Sequence[Hashable]) -> int:
-        """GPU blocks that appending one token to each of ``seq_ids`` (running, in this order)
-        takes, exactly: a fresh block after a full last block; a copy of a shared, partly
-        filled last block, except for the last of its sharers to append, who finds it
-        unshared by then."""
-        bs, need, sharers = self.block_size, 0, {}
-        for seq_id in seq_ids:
+    def blocks_needed(self, num_tokens: Mapping[Hashable, int], shared: int = 0) -> int:
+        """GPU blocks that :meth:`allocate_slots` with ``num_tokens[seq_id]`` new tokens for
+        each sequence would take.
+
+        For running sequences, exactly: the blocks their new tokens fill, plus a copy of a
+        shared, partly filled last block, except for the last of its sharers to append, who
+        finds it unshared by then. For new sequences, as if nothing were cached (prefix hits
+        only lower it), their first ``shared`` tokens counted once.
+        """
+        bs = self.block_size
+        if not any(seq_id in self._running for seq_id in num_tokens):
+            return shared // bs + sum(cdiv(n - shared, bs) for n in num_tokens.values())
+        need, sharers = 0, {}
+        for seq_id, n in num_tokens.items():
             table = self._table(seq_id)
-            if len(table.token_ids) % bs == 0:
-                need += 1
-            else:
+            held = len(table.token_ids)
+            need += cdiv(held + n, bs) - cdiv(held, bs)
+            if held % bs:
                 last = table.blocks[-1]
                 sharers[last] = sharers.get(last, 0) + 1
         for block, count in sharers.items():
             need += count - (self.gpu.refcount(block) == count)
         return need
+
+    def allocate_slots(self, token_ids: Mapping[Hashable, Sequence[int]], *, keep_free: int = 0,
+                       num_speculative: int = 0, shared: int = 0,
+                       prompt_len: int | None = None) -> dict[Hashable, int] | None:
+        """The scheduler's one question, "does it fit?", answered by doing it (vLLM V1's
+        ``allocate_slots``): slots for ``token_ids[seq_id]`` after each sequence's tokens, if
+        the blocks they take (:meth:`blocks_needed`) leave ``keep_free`` free; else None, and
+        nothing changes. Returns where each sequence's tokens to compute start: after those
+        it held, or after those the prefix cache served.
+
+        One group at a time: running sequences append (``num_speculative``: each one's last
+        tokens are unverified proposals); new ones are allocated (their first ``shared``
+        tokens held once, :meth:`allocate_shared`; ``prompt_len``: the whole prompt's length
+        when the tokens are its first chunk).
+        """
+        if self.blocks_needed({s: len(t) for s, t in token_ids.items()}, shared) > (
+                self.gpu.num_free - keep_free):
+            return None
+        if any(seq_id in self._running for seq_id in token_ids):
+            starts = {seq_id: self.num_tokens(seq_id) for seq_id in token_ids}
+            for seq_id, tokens in token_ids.items():
+                self.append(seq_id, tokens, num_speculative=num_speculative)
+            return starts
+        if len(token_ids) > 1:
+            return dict(zip(token_ids, self.allocate_shared(list(token_ids),
+                                                            list(token_ids.values()), shared)))
+        ((seq_id, tokens),) = token_ids.items()
+        return {seq_id: self.allocate(seq_id, tokens, prompt_len=prompt_len)}
 
     # --- the request lifecycle --------------------------------------------------------------
 
@@ -371,8 +406,28 @@ class KVCacheManager:
         """
         return self._swap(seq_ids, self._running, self._swapped, self.gpu, self.cpu, "swap_out")
 
-    def swap_in(self, *seq_ids: Hashable) -> list[tuple[int, int]]:
-        """Bring swapped-out sequences back; return the (cpu, gpu) block copies to make."""
+    def blocks_to_swap_in(self, *seq_ids: Hashable) -> int:
+        """GPU blocks that bringing swapped-out sequences back and decoding each one token
+        takes (each shared block once, copy-on-write as :meth:`blocks_needed` counts it)."""
+        need, sharers = len(self._distinct_blocks(seq_ids, self._swapped)), {}
+        for seq_id in seq_ids:
+            table = self._swapped[seq_id]
+            if len(table.token_ids) % self.block_size == 0:
+                need += 1
+            else:
+                sharers[table.blocks[-1]] = sharers.get(table.blocks[-1], 0) + 1
+        return need + sum(n - (self.cpu.refcount(b) == n) for b, n in sharers.items())
+
+    def swap_in(self, *seq_ids: Hashable, keep_free: int | None = None
+                ) -> list[tuple[int, int]] | None:
+        """Bring swapped-out sequences back; return the (cpu, gpu) block copies to make.
+
+        With ``keep_free``, only if they and their next decode (:meth:`blocks_to_swap_in`)
+        leave that many blocks free; else None, and nothing changes.
+        """
+        if keep_free is not None and (
+                self.blocks_to_swap_in(*seq_ids) > self.gpu.num_free - keep_free):
+            return None
         pairs = self._swap(seq_ids, self._swapped, self._running, self.cpu, self.gpu, "swap_in")
         if self.prefix_cache is not None:  # the copies hold full blocks worth caching again
             for seq_id in seq_ids:

@@ -182,7 +182,7 @@ def profile(llm, *, batch_sizes: Sequence[int] = (1, 2, 4, 8, 16),
     half's decodes, then all decode to ``output_len`` tokens: decodes are most of a serving
     run's steps, so they should be most of the fit's too. One untimed request warms up first (a
     fresh process's first steps are slow)."""
-    from pagedlab.engine.sampling import SamplingParams
+    from pagedlab.engine.params import SamplingParams
 
     check_positive("output_len", output_len, integer=True)
     rng = np.random.default_rng(seed)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from pagedlab.engine.sampling import SamplingParams
+from pagedlab.engine.params import SamplingParams
 from pagedlab.engine.scheduler import SchedulerConfig
 from pagedlab.sim.calibration import StepTiming, timed_step
 from pagedlab.sim.simulator import PagedConfig, simulate_paged

@@ -24,8 +24,9 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from pagedlab._checks import check_positive
-from pagedlab.engine.sampling import SamplingParams
+from pagedlab.engine.params import SamplingParams
 from pagedlab.engine.scheduler import Scheduler, SchedulerConfig
+from pagedlab.engine.speculative import Drafter, NgramProposer
 from pagedlab.engine.step import Placeholders, Step, StepOutput, run_step
 from pagedlab.memory import KVCacheManager
 from pagedlab.memory.contiguous import CATEGORIES
@@ -97,6 +98,19 @@ class PagedConfig:
     record_token_times: bool = False  # keep when each step gave each request tokens
 
 
+def _drafter(config: SchedulerConfig) -> Drafter | None:
+    """n-gram lookup over the placeholder tokens (it always finds a match, so every decode
+    carries its proposals; ``acceptance_rate`` decides how many verify)."""
+    spec = config.speculative_config
+    if spec is None:
+        return None
+    if spec.method != "ngram":
+        raise ValueError(f"the simulator proposes by n-gram lookup, not {spec.method!r}: "
+                         "price a draft model with PagedConfig.draft_cost")
+    return Drafter(NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max),
+                   spec.num_speculative_tokens)
+
+
 def simulate_paged(
     requests: list[Request],
     cost: CostModel,
@@ -117,6 +131,7 @@ def simulate_paged(
     if sched_config.max_model_len is None and cost.max_context:
         sched_config = replace(sched_config, max_model_len=cost.max_context)
     scheduler = scheduler_class(manager, sched_config)
+    drafter = _drafter(sched_config)
     executor = SimExecutor(cost, bs, config.acceptance_rate, draft_cost=config.draft_cost)
     params = {r.id: SamplingParams(n=config.n, max_tokens=r.output_len, ignore_eos=True)
               for r in requests}
@@ -148,7 +163,7 @@ def simulate_paged(
             r = pending[nxt]
             scheduler.add_request(r.id, [TOKEN] * r.prompt_len, params[r.id])
             nxt += 1
-        step, ran, finished = run_step(scheduler, executor, observe)
+        step, ran, finished = run_step(scheduler, executor, observe, drafter)
         now += ran.seconds + ran.swap_seconds  # the copies run before the forward pass
         for group in step.sampled_groups:
             first.setdefault(group.request_id, now)
