@@ -39,8 +39,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pagedlab.device import DEVICE, has_triton, require_triton
+from pagedlab.dtypes import FP8
 from pagedlab.footprint import ModelConfig
-from pagedlab.kernels.fp8_reference import FP8, dequantize
+from pagedlab.kernels.fp8_reference import dequantize
 from pagedlab.kernels.reference import gather_kv
 from pagedlab.profiling import scope
 

@@ -20,12 +20,12 @@ import os
 import torch
 from torch import Tensor
 
+from pagedlab.dtypes import FP8
 from pagedlab.engine.batch import PersistentBatch
 from pagedlab.engine.graphs import DecodeGraphs
 from pagedlab.engine.sampling import Sampler
 from pagedlab.engine.step import Step, StepOutput
 from pagedlab.footprint import kv_bytes_per_token
-from pagedlab.kernels.fp8_reference import FP8
 from pagedlab.model import ForwardBatch, PagedLlama, Prefill
 from pagedlab.profiling import scope
 
