@@ -6,11 +6,12 @@ optional q/k/v biases (Qwen2) and a tied or separate ``lm_head``. Parameter name
 transformers', so a checkpoint loads with ``load_state_dict``.
 
 Attention is where paging enters. Every forward pass first writes the new tokens' keys and
-values into the cache with ``reshape_and_cache``; then the prefills attend over their tokens
-(plus any prefix already cached): with the Triton kernels all at once through
-``paged_attention_varlen`` over the paged cache, with the reference ones each with torch's
-dense causal SDPA; and all decodes attend together through ``paged_attention`` (with the
-reference, through a ``decode_layout`` of slots and mask built once per step for every layer).
+values into the cache; then the prefills attend over their tokens (plus any prefix already
+cached), and all decodes attend together over theirs. Each layer asks this of an
+:class:`AttentionOps` the model builds once per step: :class:`TritonAttention` runs every
+prefill in one ``paged_attention_varlen`` launch over the paged cache and the decodes through
+``paged_attention``; :class:`ReferenceAttention` runs each prefill through torch's dense causal
+SDPA and the decodes through a ``decode_layout`` of slots and mask, built once for every layer.
 One pass serves a batch that mixes prefills and decodes: the linear layers run over all tokens
 at once, only attention tells the sequences apart.
 
@@ -20,10 +21,10 @@ much faster on a CPU, where Triton runs through its interpreter). The default fo
 weights: Triton for a model on CUDA, the reference for one on a CPU or Apple's GPU (MPS), and
 the reference wherever Triton cannot be imported (macOS, Windows).
 
-Given a ``kv_scale``, the caches are fp8 (e4m3, chapter 11): writes quantise with
-``reshape_and_cache_fp8``, decodes read fp8 with ``paged_attention_fp8`` (from
-:mod:`pagedlab.kernels.fp8` or :mod:`pagedlab.kernels.fp8_reference`, as ``kernels`` says),
-and a cached prefix is dequantised before SDPA.
+Given a ``kv_scale``, the caches are fp8 (e4m3, chapter 11) and :class:`FP8Attention` runs:
+writes quantise with ``reshape_and_cache_fp8``, decodes read fp8 with ``paged_attention_fp8``
+(from :mod:`pagedlab.kernels.fp8` or :mod:`pagedlab.kernels.fp8_reference`, as ``kernels``
+says), and prefills go through SDPA, a cached prefix dequantised first.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -40,8 +42,8 @@ from torch import Tensor, nn
 
 from pagedlab.device import DEVICE, has_triton, require_triton
 from pagedlab.footprint import ModelConfig
-from pagedlab.kernels.fp8_reference import FP8, dequantize
-from pagedlab.kernels.reference import gather_kv
+from pagedlab.kernels import reference
+from pagedlab.kernels.fp8_reference import dequantize
 from pagedlab.profiling import scope
 
 KERNELS = {"triton": "pagedlab.kernels", "reference": "pagedlab.kernels.reference"}
@@ -52,11 +54,14 @@ __all__ = [
     "ARCHITECTURES",
     "FP8_KERNELS",
     "KERNELS",
-    "FP8Ops",
+    "AttentionOps",
+    "FP8Attention",
     "ForwardBatch",
     "ModelArgs",
     "PagedLlama",
     "Prefill",
+    "ReferenceAttention",
+    "TritonAttention",
     "UnsupportedModel",
     "default_kernels",
     "from_hf",
@@ -192,7 +197,7 @@ class Prefill:
     start: int
     end: int
     num_cached: int
-    block_table: Tensor  # int32 [num_blocks]: read only when num_cached > 0
+    block_table: Tensor  # int32 [max_blocks]: the sequence's row of the step's block tables
 
 
 @dataclass
@@ -202,19 +207,154 @@ class ForwardBatch:
     input_ids: Tensor  # int64 [num_tokens]
     positions: Tensor  # int64 [num_tokens]
     slot_mapping: Tensor  # int64 [num_tokens]: where each token's key and value go
-    prefills: list[Prefill]
+    prefills: list[Prefill]  # in row order, the first from row 0
     block_tables: Tensor  # int32 [num_decodes, max_blocks]
     seq_lens: Tensor  # int32 [num_decodes]: cached tokens, the decoded one included
-    # The prefills again, as paged_attention_varlen takes them (the Triton path):
-    prefill_start_loc: Tensor | None = None  # int32 [num_prefills + 1]: rows where each starts
-    prefill_lens: Tensor | None = None  # int32 [num_prefills]: cached + new tokens
-    prefill_tables: Tensor | None = None  # int32 [num_prefills, max_blocks]
-    # The reference's decode_layout (slots, mask), built by the model once per step:
-    decode_layout: tuple[Tensor, Tensor] | None = None
 
     @property
     def num_prefill_tokens(self) -> int:
         return self.prefills[-1].end if self.prefills else 0
+
+
+# --- attention, by kernels ------------------------------------------------------------------
+
+
+class AttentionOps(Protocol):
+    """What a layer asks of the kernels in one step. The model builds one per forward pass
+    (:meth:`PagedLlama.attention_ops`) and hands it to every layer, so what all layers would
+    compute alike (the varlen kernel's prefill tensors, the reference's decode layout) is
+    computed once. ``kv_cache`` is a layer's (key_cache, value_cache), [num_blocks,
+    block_size, num_kv_heads, D] each.
+
+    The runner built the batch's slots and block tables from the manager, so the kernels are
+    called with ``check_values=False``: checking those values would only cost a device sync
+    per call (the shape checks stay).
+    """
+
+    def write(self, key: Tensor, value: Tensor, kv_cache: tuple[Tensor, Tensor]) -> None:
+        """Store the step's new keys and values, [num_tokens, num_kv_heads, D], in their slots."""
+
+    def prefill(self, q: Tensor, k: Tensor, v: Tensor, kv_cache: tuple[Tensor, Tensor]) -> Tensor:
+        """The prefill rows' queries, [num_prefill_tokens, num_heads, D], over each one's
+        cached prefix and, causally, its chunk (whose keys and values are k and v, and already
+        in the cache) -> [num_prefill_tokens, num_heads, D]."""
+
+    def decode(self, q: Tensor, kv_cache: tuple[Tensor, Tensor]) -> Tensor:
+        """Each decode's query, [num_decodes, num_heads, D], over its cached tokens -> the same
+        shape."""
+
+
+def prefill_attention(q: Tensor, k: Tensor, v: Tensor, num_cached: int) -> Tensor:
+    """Causal attention of a prompt chunk's queries over the cached prefix and the chunk.
+
+    q [n, num_heads, D]; k, v [num_cached + n, num_kv_heads, D] -> [n, num_heads, D]. Query i
+    sits at position num_cached + i, so it sees keys 0..num_cached + i.
+    """
+    n, length = q.shape[0], k.shape[0]
+    q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [heads, tokens, D]
+    mask = None
+    if num_cached:
+        rows = torch.arange(n, device=q.device)[:, None] + num_cached  # [n, 1]
+        mask = torch.arange(length, device=q.device)[None, :] <= rows  # [n, num_cached + n]
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=not num_cached, enable_gqa=True
+    )  # [num_heads, n, D]
+    return out.transpose(0, 1)
+
+
+def sdpa_prefills(q, k, v, kv_cache, prefills: list[Prefill], kv_scale=None) -> Tensor:
+    """Each prefill through :func:`prefill_attention`, torch's dense causal SDPA: over its
+    chunk's k and v when nothing precedes it, else over its whole context read from the cache
+    (dequantised from fp8 stored with ``kv_scale``, if given: SDPA needs the query's dtype)."""
+    out = torch.empty_like(q)  # [num_prefill_tokens, num_heads, D]
+    for p in prefills:
+        rows = slice(p.start, p.end)
+        if p.num_cached:  # the prefix lives only in the cache: read it with the chunk
+            length = p.num_cached + p.end - p.start
+            keys, values = (reference.gather_kv(cache, p.block_table, length)
+                            for cache in kv_cache)  # [length, num_kv_heads, D] each
+            if kv_scale is not None:
+                keys, values = (dequantize(t, kv_scale).to(q.dtype) for t in (keys, values))
+        else:
+            keys, values = k[rows], v[rows]
+        out[rows] = prefill_attention(q[rows], keys, values, p.num_cached)
+    return out
+
+
+class TritonAttention:
+    """The Triton kernels of ``ops`` (:mod:`pagedlab.kernels`): every prefill in one
+    ``paged_attention_varlen`` launch, which reads each one's keys through its block table, and
+    every decode in one ``paged_attention``."""
+
+    def __init__(self, batch: ForwardBatch, ops: ModuleType):
+        self.batch, self.ops = batch, ops
+        if batch.prefills:  # packed once, as the varlen kernel takes them
+            prefills, device = batch.prefills, batch.input_ids.device
+            self.prefill_start_loc = torch.tensor(  # int32 [num_prefills + 1]: rows, then the end
+                [0, *(p.end for p in prefills)], dtype=torch.int32, device=device)
+            self.prefill_lens = torch.tensor(  # int32 [num_prefills]: cached + new tokens
+                [p.num_cached + p.end - p.start for p in prefills], dtype=torch.int32,
+                device=device)
+            # int32 [num_prefills, max_blocks]
+            self.prefill_tables = torch.stack([p.block_table for p in prefills])
+
+    def write(self, key, value, kv_cache) -> None:
+        self.ops.reshape_and_cache(key, value, *kv_cache, self.batch.slot_mapping,
+                                   check_values=False)
+
+    def prefill(self, q, k, v, kv_cache) -> Tensor:
+        return self.ops.paged_attention_varlen(q, *kv_cache, self.prefill_tables,
+                                               self.prefill_start_loc, self.prefill_lens,
+                                               check_values=False)
+
+    def decode(self, q, kv_cache) -> Tensor:
+        return self.ops.paged_attention(q, *kv_cache, self.batch.block_tables,
+                                        self.batch.seq_lens, check_values=False)
+
+
+class ReferenceAttention:
+    """The torch reference kernels (:mod:`pagedlab.kernels.reference`), the fast path on a
+    CPU: each prefill through SDPA (:func:`sdpa_prefills`), and the decodes through one
+    ``decode_layout`` of token slots and padding mask, built once for every layer."""
+
+    def __init__(self, batch: ForwardBatch, block_size: int):
+        self.batch = batch
+        self.decode_layout = (  # (slots int64 [S, T], mask fp32 [S, 1, 1, T]); None: no decodes
+            reference.decode_layout(batch.block_tables, batch.seq_lens, block_size)
+            if len(batch.seq_lens) else None
+        )
+
+    def write(self, key, value, kv_cache) -> None:
+        reference.reshape_and_cache(key, value, *kv_cache, self.batch.slot_mapping,
+                                    check_values=False)
+
+    def prefill(self, q, k, v, kv_cache) -> Tensor:
+        return sdpa_prefills(q, k, v, kv_cache, self.batch.prefills)
+
+    def decode(self, q, kv_cache) -> Tensor:
+        return reference.attend_by_slot(q, *kv_cache, *self.decode_layout, q.shape[-1] ** -0.5)
+
+
+class FP8Attention:
+    """fp8 caches through ``module``'s operations (:mod:`pagedlab.kernels.fp8` or
+    :mod:`~pagedlab.kernels.fp8_reference`), with one per-tensor ``scale`` for keys and values
+    (k_scale = v_scale, vLLM's ``kv_scale``). There is no fp8 varlen kernel: prefills go
+    through SDPA, a cached prefix dequantised."""
+
+    def __init__(self, batch: ForwardBatch, module: ModuleType, scale: Tensor):
+        self.batch, self.module, self.scale = batch, module, scale  # scale: fp32 []
+
+    def write(self, key, value, kv_cache) -> None:
+        self.module.reshape_and_cache_fp8(key, value, *kv_cache, self.batch.slot_mapping,
+                                          self.scale, self.scale, check_values=False)
+
+    def prefill(self, q, k, v, kv_cache) -> Tensor:
+        return sdpa_prefills(q, k, v, kv_cache, self.batch.prefills, self.scale)
+
+    def decode(self, q, kv_cache) -> Tensor:
+        return self.module.paged_attention_fp8(q, *kv_cache, self.batch.block_tables,
+                                               self.batch.seq_lens, self.scale, self.scale,
+                                               check_values=False)
 
 
 # --- the layers -----------------------------------------------------------------------------
@@ -256,43 +396,6 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, out: Tensor | None = None) -
     return torch.add(x * cos, rolled.mul_(sin), out=out)
 
 
-def prefill_attention(q: Tensor, k: Tensor, v: Tensor, num_cached: int) -> Tensor:
-    """Causal attention of a prompt chunk's queries over the cached prefix and the chunk.
-
-    q [n, num_heads, D]; k, v [num_cached + n, num_kv_heads, D] -> [n, num_heads, D]. Query i
-    sits at position num_cached + i, so it sees keys 0..num_cached + i.
-    """
-    n, length = q.shape[0], k.shape[0]
-    q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [heads, tokens, D]
-    mask = None
-    if num_cached:
-        rows = torch.arange(n, device=q.device)[:, None] + num_cached  # [n, 1]
-        mask = torch.arange(length, device=q.device)[None, :] <= rows  # [n, num_cached + n]
-    out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=not num_cached, enable_gqa=True
-    )  # [num_heads, n, D]
-    return out.transpose(0, 1)
-
-
-class FP8Ops:
-    """The fp8 cache operations under the plain ones' names and signatures, with the per-tensor
-    scale bound (k_scale = v_scale = ``scale``, vLLM's ``kv_scale``): attention calls either
-    set the same way."""
-
-    def __init__(self, module: ModuleType, scale: Tensor):
-        self.module, self.scale = module, scale  # scale: fp32 []
-
-    def reshape_and_cache(self, key, value, key_cache, value_cache, slot_mapping, **kw) -> None:
-        self.module.reshape_and_cache_fp8(
-            key, value, key_cache, value_cache, slot_mapping, self.scale, self.scale, **kw
-        )
-
-    def paged_attention(self, query, key_cache, value_cache, block_tables, seq_lens, **kw):
-        return self.module.paged_attention_fp8(
-            query, key_cache, value_cache, block_tables, seq_lens, self.scale, self.scale, **kw
-        )
-
-
 def _stacked(fused: str, parts: tuple[str, ...]):
     """A ``load_state_dict`` pre-hook: a checkpoint's separate ``parts`` (transformers' q, k and
     v projections) become one ``fused`` matrix, their rows stacked in that order, so a step runs
@@ -324,61 +427,30 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(h * d, args.hidden_size, bias=False)
         self.register_load_state_dict_pre_hook(_stacked("qkv_proj", ("q_proj", "k_proj", "v_proj")))
 
-    def forward(self, x, cos, sin, kv_cache, batch: ForwardBatch, ops: ModuleType) -> Tensor:
+    def forward(self, x, cos, sin, kv_cache, batch: ForwardBatch,
+                attention: AttentionOps) -> Tensor:
         n, d, h = x.shape[0], self.args.head_dim, self.args.num_heads
-        key_cache, value_cache = kv_cache  # [num_blocks, block_size, num_kv_heads, D] each
         qkv = self.qkv_proj(x).view(n, -1, d)  # [n, num_heads + 2 num_kv_heads, D]
         qk = qkv[:, : -self.args.num_kv_heads]  # q's and k's heads, rotated together, in place
         apply_rope(qk, cos, sin, out=qk)
         q, k, v = qkv.split([h, self.args.num_kv_heads, self.args.num_kv_heads], dim=1)
-        # The runner built the slots and tables from the manager: checking their values would
-        # only cost a device sync per call (check_values=False keeps the shape checks).
         with scope("pagedlab::cache_write"):  # scopes pagedlab.profiling reads
-            ops.reshape_and_cache(k, v, key_cache, value_cache, batch.slot_mapping,
-                                  check_values=False)
+            attention.write(k, v, kv_cache)
         with scope("pagedlab::attention"):
-            out = self._attend(q, k, v, key_cache, value_cache, batch, ops)  # [n, num_heads, D]
+            out = self._attend(q, k, v, kv_cache, batch.num_prefill_tokens, attention)
         return self.o_proj(out.view(n, -1))  # [n, hidden]
 
     @staticmethod
-    def _attend(q, k, v, key_cache, value_cache, batch: ForwardBatch, ops) -> Tensor:
+    def _attend(q, k, v, kv_cache, num_prefill_tokens: int, attention: AttentionOps) -> Tensor:
         """Every prefill's queries over its prefix and chunk, then every decode's over its
         cached tokens: [n, num_heads, D]."""
-        n, first = q.shape[0], batch.num_prefill_tokens
+        first = num_prefill_tokens
         if first == 0:  # decodes only
-            return Attention._decode(q, key_cache, value_cache, batch, ops)
-        out = torch.empty_like(q)  # [n, num_heads, D]
-        if first and hasattr(ops, "paged_attention_varlen"):  # Triton: every prefill, one launch
-            out[:first] = ops.paged_attention_varlen(
-                q[:first], key_cache, value_cache, batch.prefill_tables,
-                batch.prefill_start_loc, batch.prefill_lens, check_values=False,
-            )  # [num_prefill_tokens, num_heads, D]
-        else:  # one dense causal SDPA per prompt
-            for p in batch.prefills:
-                if p.num_cached:  # the prefix lives only in the cache: read it with the chunk
-                    length = p.num_cached + p.end - p.start
-                    keys = gather_kv(key_cache, p.block_table, length)  # [length, kv_heads, D]
-                    values = gather_kv(value_cache, p.block_table, length)
-                    if key_cache.dtype == FP8:  # SDPA needs the query's dtype: widen the prefix
-                        keys, values = (dequantize(t, ops.scale).to(q.dtype)
-                                        for t in (keys, values))
-                else:
-                    keys, values = k[p.start : p.end], v[p.start : p.end]
-                rows = slice(p.start, p.end)
-                out[rows] = prefill_attention(q[rows], keys, values, p.num_cached)
-        if first < n:
-            out[first:] = Attention._decode(q[first:], key_cache, value_cache, batch, ops)
-        return out
-
-    @staticmethod
-    def _decode(q, key_cache, value_cache, batch: ForwardBatch, ops) -> Tensor:
-        """The decodes' attention, [num_decodes, num_heads, D]: by the step's decode layout
-        where the model built one (the reference), else through ``paged_attention``."""
-        if batch.decode_layout is not None:
-            return ops.attend_by_slot(q, key_cache, value_cache, *batch.decode_layout,
-                                      q.shape[-1] ** -0.5)
-        return ops.paged_attention(q, key_cache, value_cache, batch.block_tables,
-                                   batch.seq_lens, check_values=False)
+            return attention.decode(q, kv_cache)
+        prefilled = attention.prefill(q[:first], k[:first], v[:first], kv_cache)
+        if first == q.shape[0]:  # prefills only
+            return prefilled
+        return torch.cat([prefilled, attention.decode(q[first:], kv_cache)])
 
 
 class MLP(nn.Module):
@@ -405,8 +477,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x, cos, sin, kv_cache, batch, ops) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, batch, ops)
+    def forward(self, x, cos, sin, kv_cache, batch, attention) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, batch, attention)
         return x.add_(self.mlp(self.post_attention_layernorm(x)))
 
 
@@ -460,15 +532,21 @@ class PagedLlama(nn.Module):
         in the model's dtype.
         """
         a = self.args
-        ops = self.ops if kv_scale is None else FP8Ops(self.fp8_ops, kv_scale)
+        attention = self.attention_ops(batch, kv_caches[0][0].shape[1], kv_scale)
         x = self.model.embed_tokens(batch.input_ids)  # [num_tokens, hidden]
         cos, sin = rope_cos_sin(batch.positions, a.head_dim, a.rope_theta, x.dtype)
-        if hasattr(ops, "decode_layout") and len(batch.seq_lens):  # the same in every layer
-            block_size = kv_caches[0][0].shape[1]
-            batch.decode_layout = ops.decode_layout(batch.block_tables, batch.seq_lens, block_size)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x = layer(x, cos, sin, kv_cache, batch, ops)
+            x = layer(x, cos, sin, kv_cache, batch, attention)
         return self.model.norm(x)
+
+    def attention_ops(self, batch: ForwardBatch, block_size: int, kv_scale=None) -> AttentionOps:
+        """The step's attention, for every layer: fp8 given a ``kv_scale``, else the kernels
+        :attr:`kernels` names."""
+        if kv_scale is not None:
+            return FP8Attention(batch, self.fp8_ops, kv_scale)
+        if self.kernels == "triton":
+            return TritonAttention(batch, self.ops)
+        return ReferenceAttention(batch, block_size)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: Tensor) -> Tensor:

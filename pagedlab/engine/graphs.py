@@ -52,8 +52,6 @@ class DecodeGraphs:
         self.slot_mapping = static(largest, dtype=torch.int64, fill=-1)
         self.block_tables = static(largest, max_blocks, dtype=torch.int32)
         self.seq_lens = static(largest, dtype=torch.int32, fill=1)
-        self._no_prefills = (static(1, dtype=torch.int32), static(0, dtype=torch.int32),
-                             static(0, max_blocks, dtype=torch.int32))
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
         if dev.type == "cuda":
             self._capture()
@@ -84,12 +82,10 @@ class DecodeGraphs:
 
     def _forward(self, rows: int) -> Tensor:
         """The pass a graph records: the first ``rows`` static rows through the model."""
-        start_loc, lens, tables = self._no_prefills
         batch = ForwardBatch(
             input_ids=self.input_ids[:rows], positions=self.positions[:rows],
             slot_mapping=self.slot_mapping[:rows], prefills=[],
             block_tables=self.block_tables[:rows], seq_lens=self.seq_lens[:rows],
-            prefill_start_loc=start_loc, prefill_lens=lens, prefill_tables=tables,
         )
         hidden = self.model(batch, self.kv_caches, self.kv_scale)
         return self.model.compute_logits(hidden)

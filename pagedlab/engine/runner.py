@@ -20,12 +20,12 @@ import os
 import torch
 from torch import Tensor
 
+from pagedlab.dtypes import FP8
 from pagedlab.engine.batch import PersistentBatch
 from pagedlab.engine.graphs import DecodeGraphs
 from pagedlab.engine.sampling import Sampler
 from pagedlab.engine.step import Step, StepOutput
 from pagedlab.footprint import kv_bytes_per_token
-from pagedlab.kernels.fp8_reference import FP8
 from pagedlab.model import ForwardBatch, PagedLlama, Prefill
 from pagedlab.profiling import scope
 
@@ -225,9 +225,6 @@ class ModelRunner:
             prefills=prefills,
             block_tables=decode_tables,  # [num_decodes (+ padding), longest]
             seq_lens=tensor(seq_lens, torch.int32),  # [num_decodes (+ padding)]
-            prefill_start_loc=tensor(starts, torch.int32),  # [num_prefills + 1]
-            prefill_lens=tensor([c.context_len for c in multi], torch.int32),
-            prefill_tables=prefill_tables,
         )
         return batch, tensor(last, torch.int64), first_row
 
