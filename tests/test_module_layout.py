@@ -120,3 +120,28 @@ def test_no_module_of_the_library_imports_itself_round_a_loop():
 
     for name in sorted(graph):
         visit(name)
+
+
+def test_the_follow_one_step_map_names_what_exists_within_ten_files_and_2000_lines():
+    """ARCHITECTURE.md's walk through one step: each stop's names resolve in its file, and
+    reading them all takes at most 10 files and 2,000 lines."""
+    import re
+
+    text = (Path(pagedlab.__file__).parent.parent / "ARCHITECTURE.md").read_text()
+    section = text.split("## Follow one step", 1)[1].split("\n## ", 1)[0]
+    stops = re.split(r"\n\d+\. ", section)[1:]
+    assert 1 <= len(stops) <= 10
+    total = 0
+    for stop in stops:
+        path, rest = re.match(r"`([^`]+\.py)`: (.*?)\.(?: |$)", " ".join(stop.split())).groups()
+        names = re.findall(r"`([A-Za-z_.]+)`", rest)
+        module = importlib.import_module(path.removesuffix(".py").replace("/", "."))
+        tree = ast.parse(Path(module.__file__).read_text())
+        for name in names:
+            node, parts = tree, name.split(".")
+            for part in parts:
+                node = next((n for n in node.body if isinstance(
+                    n, (ast.ClassDef, ast.FunctionDef)) and n.name == part), None)
+                assert node is not None, f"{path}: no {name}"
+            total += node.end_lineno - node.lineno + 1
+    assert total <= 2000, total
