@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import os
 import time
+import weakref
 from dataclasses import replace
 
 from pagedlab._arith import cdiv
@@ -39,6 +40,7 @@ from pagedlab.engine.speculative import Drafter, NgramProposer, SpeculativeConfi
 from pagedlab.engine.sequence import SequenceGroup
 from pagedlab.engine.stats import EngineStats
 from pagedlab.engine.step import Step, run_step
+from pagedlab.engine.tensor_parallel import TensorParallelExecutor, build_shard
 from pagedlab.engine.text import (
     InvalidPrompt,
     PromptTooLong,
@@ -85,7 +87,10 @@ class LLM:
     steps of those sizes (by default powers of two up to ``max_num_seqs``) as CUDA graphs
     captured at start, eagerly on a CPU (:mod:`pagedlab.engine.graphs`);
     ``speculative_config`` (vLLM's, e.g. ``{"method": "ngram", "num_speculative_tokens": 4}``)
-    turns on speculative decoding (:mod:`pagedlab.engine.speculative`).
+    turns on speculative decoding (:mod:`pagedlab.engine.speculative`);
+    ``tensor_parallel_size`` splits the model by its heads over that many processes, this one
+    rank 0 (:mod:`pagedlab.engine.tensor_parallel`; end them with :meth:`shutdown` or a
+    ``with`` block).
     """
 
     def __init__(
@@ -113,12 +118,19 @@ class LLM:
         decode_batch_sizes: tuple[int, ...] = (),
         speculative_config: dict | None = None,
         cuda_graphs: bool = False,
+        tensor_parallel_size: int = 1,
     ):
         cache = CacheConfig(block_size, num_gpu_blocks, gpu_memory_utilization,
                             kv_cache_memory_bytes, swap_space, num_cpu_blocks,
                             enable_prefix_caching, kv_cache_dtype, kv_scale)
         decode_batch_sizes = _decode_batch_sizes(decode_batch_sizes, cuda_graphs, max_num_seqs)
         self.model, self.tokenizer = _load(model, tokenizer, kernels)
+        check_positive("tensor_parallel_size", tensor_parallel_size, integer=True)
+        whole = self.model
+        if tensor_parallel_size > 1:  # rank 0's shard: the cache is sized for one rank's heads
+            state = {name: t.detach() for name, t in whole.state_dict().items()}
+            self.model = build_shard(whole.args, state, 0, tensor_parallel_size, whole.kernels,
+                                     whole.dtype, whole.device)
         self.max_model_len = (self.model.args.max_position_embeddings if max_model_len is None
                               else max_model_len)
         self.config = SchedulerConfig(
@@ -131,6 +143,10 @@ class LLM:
                                  "policies"),
             speculative_config=speculative_config,
         )
+        spec = self.config.speculative_config
+        if tensor_parallel_size > 1 and (cuda_graphs or spec and spec.method == "draft_model"):
+            raise ValueError("tensor_parallel_size > 1 runs neither CUDA graphs nor a draft "
+                             "model")
         self.cache_config = cache = _sized(cache, self.model, max_num_seqs, self.max_model_len)
         if preemption_mode == "swap" and cache.num_cpu_blocks == 0:
             raise ValueError("preemption_mode='swap' needs swap_space (GiB) or num_cpu_blocks > 0")
@@ -139,10 +155,15 @@ class LLM:
         self.scheduler = Scheduler(self.manager, self.config)
         self.drafter = _drafter(self.config.speculative_config, self.model, cache)
         longest = cdiv(self.max_model_len, block_size) if self.max_model_len else None
-        self.runner = ModelRunner(self.model, block_size, cache.num_gpu_blocks,
-                                  cache.num_cpu_blocks, kv_cache_dtype, kv_scale,
-                                  decode_batch_sizes, cuda_graphs,
+        layout = (block_size, cache.num_gpu_blocks, cache.num_cpu_blocks, kv_cache_dtype,
+                  kv_scale, decode_batch_sizes)
+        self.runner = ModelRunner(self.model, *layout, cuda_graphs,
                                   max_blocks=min(cache.num_gpu_blocks, longest or math.inf))
+        self.executor = self.runner  # what runs a step: this process, or every rank's
+        if tensor_parallel_size > 1:
+            self.executor = TensorParallelExecutor(self.runner, whole.args, state,
+                                                   tensor_parallel_size, layout)
+            weakref.finalize(self, self.executor.shutdown)
         self.stats: EngineStats | None = None  # of the last call
         self.last_step: Step | None = None  # the last step's batch: what a timed replay reads
         self._next_id = 0  # request ids: "0", "1", ...
@@ -238,6 +259,17 @@ class LLM:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished
 
+    def shutdown(self) -> None:
+        """End the engine's worker processes (tensor parallelism); nothing to do otherwise."""
+        if self.executor is not self.runner:
+            self.executor.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
     # --- inside -----------------------------------------------------------------------------
 
     def _step(self):
@@ -245,7 +277,7 @@ class LLM:
         blocks cached before their keys and values were written, then re-raise."""
         try:
             with scope("pagedlab::step"):  # a scope pagedlab.profiling reads
-                step, ran, _ = run_step(self.scheduler, self.runner, drafter=self.drafter)
+                step, ran, _ = run_step(self.scheduler, self.executor, drafter=self.drafter)
         except BaseException:
             self.scheduler.abort_all()
             self.manager.rollback()

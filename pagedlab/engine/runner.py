@@ -115,6 +115,7 @@ class ModelRunner:
         max_blocks: int | None = None,
     ):
         self.model = model
+        self.samples = True  # False on a tensor-parallel worker: rank 0 alone samples
         self.decode_batch_sizes = tuple(sorted(decode_batch_sizes))
         a = model.args
         shape = (block_size, a.num_kv_heads, a.head_dim)  # one block
@@ -159,6 +160,8 @@ class ModelRunner:
                 logits = graphs.run(batch)[last]  # [num_logits, vocab], fp32
             else:
                 hidden = self.model(batch, self.kv_caches, self.kv_scale)  # [num_tokens, hidden]
+                if not self.samples:
+                    return StepOutput([])
                 logits = self.model.compute_logits(hidden[last])  # [num_logits, vocab], fp32
         with scope("pagedlab::sample"):
             drafts = {c.seq.seq_id: c.draft for c in step.decodes if c.draft}

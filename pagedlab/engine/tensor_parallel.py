@@ -1,0 +1,246 @@
+"""Tensor parallelism: one model split across N processes by its heads (Megatron-LM's split).
+
+Each rank holds 1/N of every layer's attention heads and MLP columns, and the keys and values
+of its own KV heads only. The split needs two all-reduces a layer and nothing else:
+
+- q, k and v (and gate and up) are *column-parallel*: rank r computes its heads' columns from
+  the whole hidden state, which every rank has;
+- o and down are *row-parallel*: rank r multiplies its heads' (or columns') slice of the input
+  by its rows of the weight, a partial sum of the full product; an all-reduce adds the N
+  partial sums, so every rank leaves the layer with the whole hidden state again.
+
+The embedding, the norms and the LM head are replicated: every rank embeds the tokens itself
+(no communication), and rank 0 alone computes logits and samples, so no rank ever gathers
+logits. (Splitting the vocabulary, as vLLM does, saves their memory on large-vocabulary
+models at the price of an all-gather of the logits each step.)
+
+Every rank's cache has the same blocks, ids and slots: one scheduler, on rank 0, decides a
+step; :class:`TensorParallelExecutor` sends it to the workers (as vLLM's executor broadcasts
+its scheduler output), each rank runs its shard over its own cache, and rank 0 samples.
+Processes meet through torch.distributed: gloo on CPUs, NCCL on GPUs, a TCP rendezvous on
+the loopback address here (across machines, set ``MASTER_ADDR``/``MASTER_PORT`` and start
+one process per rank: :func:`worker_loop` is what each runs).
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import Tensor, nn
+
+from pagedlab.engine.sequence import Sequence
+from pagedlab.engine.step import Chunk, Step, StepOutput
+from pagedlab.model import ModelArgs, PagedLlama
+
+DEFAULT_TIMEOUT = 120.0  # seconds a step may wait on a rank before the engine gives up
+
+
+class WorkerFailed(RuntimeError):
+    """A tensor-parallel rank died or stopped answering; names it. The engine is shut down."""
+
+
+def shard_args(args: ModelArgs, world: int) -> ModelArgs:
+    """One rank's shape: ``1/world`` of the query heads, KV heads and MLP columns."""
+    for name in ("num_heads", "num_kv_heads", "intermediate_size"):
+        if getattr(args, name) % world:
+            raise ValueError(
+                f"tensor_parallel_size={world} must divide the model's {name}="
+                f"{getattr(args, name)} (pagedlab does not replicate KV heads: each rank holds "
+                "whole heads of its own)"
+            )
+    return replace(args, num_heads=args.num_heads // world,
+                   num_kv_heads=args.num_kv_heads // world,
+                   intermediate_size=args.intermediate_size // world)
+
+
+def shard_state_dict(state: dict[str, Tensor], args: ModelArgs, rank: int,
+                     world: int) -> dict[str, Tensor]:
+    """Rank ``rank``'s weights: its rows of the column-parallel matrices (q, k and v stacked,
+    gate, up), its columns of the row-parallel ones (o, down); the rest whole."""
+    d = args.head_dim
+    q, kv = args.num_heads * d, args.num_kv_heads * d
+
+    def part(t: Tensor, size: int, dim: int = 0) -> Tensor:  # rank's slice of ``size`` / world
+        step = size // world
+        return t.narrow(dim, rank * step, step)
+
+    out = {}
+    for name, t in state.items():
+        if name.endswith(("qkv_proj.weight", "qkv_proj.bias")):
+            wq, wk, wv = t.split([q, kv, kv])
+            out[name] = torch.cat([part(wq, q), part(wk, kv), part(wv, kv)]).contiguous()
+        elif name.endswith(("gate_proj.weight", "up_proj.weight")):
+            out[name] = part(t, t.shape[0]).contiguous()
+        elif name.endswith("o_proj.weight"):
+            out[name] = part(t, q, dim=1).contiguous()
+        elif name.endswith("down_proj.weight"):
+            out[name] = part(t, t.shape[1], dim=1).contiguous()
+        else:
+            out[name] = t
+    return out
+
+
+class RowParallelLinear(nn.Module):
+    """A row-parallel layer: this rank's partial product, summed over the ranks."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.linear = linear
+
+    @property
+    def weight(self) -> Tensor:
+        return self.linear.weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.linear(x)
+        dist.all_reduce(out)  # the N partial sums added: the whole product on every rank
+        return out
+
+
+def build_shard(args: ModelArgs, state: dict[str, Tensor], rank: int, world: int,
+                kernels: str, dtype: torch.dtype, device) -> PagedLlama:
+    """Rank ``rank``'s model: its weights loaded into a model of its shape, the row-parallel
+    layers wrapped to all-reduce."""
+    with torch.device("meta"):
+        model = PagedLlama(shard_args(args, world), kernels=kernels)
+    model.load_state_dict(shard_state_dict(state, args, rank, world), assign=True)
+    if args.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    for layer in model.model.layers:
+        layer.self_attn.o_proj = RowParallelLinear(layer.self_attn.o_proj)
+        layer.mlp.down_proj = RowParallelLinear(layer.mlp.down_proj)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def portable(step: Step) -> Step:
+    """What a worker needs of ``step`` to run it: each chunk's tokens, positions, slots and
+    block table, and the block copies; no request, parameter or generator."""
+    def chunk(c: Chunk) -> Chunk:
+        seq = Sequence(c.seq.seq_id, c.seq.token_ids[:c.context_len - len(c.draft)])
+        return Chunk(seq, c.start, c.num_tokens, c.block_table, c.slots, c.is_sampled, c.draft)
+
+    return Step(prefills=[chunk(c) for c in step.prefills], decodes=[chunk(c) for c in step.decodes],
+                swap_out=step.swap_out, swap_in=step.swap_in, copies=step.copies,
+                num_draft_tokens=step.num_draft_tokens)
+
+
+def worker_loop(rank: int, world: int, init_method: str, timeout: float, build: dict,
+                progress) -> None:
+    """A worker rank's life: join the group, build its shard and cache, then run every step
+    rank 0 sends until it sends None. ``progress[rank]`` counts the steps received, so rank 0
+    can tell which rank a stalled step waits for."""
+    backend = "nccl" if build["device"].startswith("cuda") else "gloo"
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout))
+    from pagedlab.engine.runner import ModelRunner
+
+    model = build_shard(build["args"], build["state"], rank, world, build["kernels"],
+                        build["dtype"], build["device"])
+    runner = ModelRunner(model, *build["cache"])
+    runner.samples = False
+    try:
+        while True:
+            box = [None]
+            dist.broadcast_object_list(box, src=0)
+            if box[0] is None:
+                break
+            progress[rank] += 1
+            runner.execute(box[0])
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TensorParallelExecutor:
+    """Rank 0's side: starts the workers, sends each step, runs rank 0's shard (``runner``,
+    over a model from :func:`build_shard`) and samples. Any failure of a rank fails the step
+    with :class:`WorkerFailed` naming it, after every process has been ended.
+
+    ``args`` and ``state`` are the whole model's shape and weights, from which each worker
+    cuts its shard; ``cache`` holds the :class:`~pagedlab.engine.runner.ModelRunner` arguments
+    after the model (block size, GPU and CPU blocks, cache dtype, scale, decode batch sizes),
+    the same on every rank so that every rank lays a step out alike.
+    """
+
+    def __init__(self, runner, args: ModelArgs, state: dict[str, Tensor], world: int,
+                 cache: tuple, timeout: float = DEFAULT_TIMEOUT):
+        if dist.is_initialized():
+            raise RuntimeError("a tensor-parallel engine is already running in this process: "
+                               "shut it down first (LLM.shutdown())")
+        self.runner, self.world, self.timeout, self.num_steps = runner, world, timeout, 0
+        self.closed = True  # until every rank has joined
+        model = runner.model
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        ctx = mp.get_context("spawn")
+        self.progress = ctx.Array("q", world, lock=False)
+        build = dict(args=args, state=state, kernels=model.kernels, dtype=model.dtype,
+                     device=str(model.device), cache=cache)
+        self.workers = [ctx.Process(target=worker_loop, daemon=True, name=f"pagedlab-tp{rank}",
+                                    args=(rank, world, init_method, timeout, build,
+                                          self.progress))
+                        for rank in range(1, world)]
+        for worker in self.workers:
+            worker.start()
+        try:
+            dist.init_process_group("nccl" if model.device.type == "cuda" else "gloo",
+                                    init_method=init_method, rank=0, world_size=world,
+                                    timeout=datetime.timedelta(seconds=timeout))
+        except Exception as error:
+            raise self._failure(error) from error
+        self.closed = False
+
+    def execute(self, step: Step) -> StepOutput:
+        if self.closed:
+            raise WorkerFailed("the tensor-parallel engine is shut down")
+        if step.is_empty:
+            return StepOutput([])
+        self.num_steps += 1
+        try:
+            dist.broadcast_object_list([portable(step)], src=0)
+            return self.runner.execute(step)
+        except Exception as error:
+            raise self._failure(error) from error
+
+    def _failure(self, error: Exception) -> WorkerFailed:
+        """Which ranks failed (died, or never received the step), every process ended."""
+        dead = [f"rank {rank} died (exit code {w.exitcode})"
+                for rank, w in enumerate(self.workers, 1) if w.exitcode is not None]
+        stalled = [f"rank {rank} did not take step {self.num_steps}"
+                   for rank, w in enumerate(self.workers, 1)
+                   if w.exitcode is None and self.progress[rank] < self.num_steps]
+        self.closed = True  # no goodbye: a rank that failed would not hear it
+        self.shutdown()
+        what = "; ".join(dead + stalled) or f"a collective failed: {error}"
+        return WorkerFailed(f"tensor parallelism of {self.world}: {what} (within "
+                            f"{self.timeout:g} s); the engine is shut down")
+
+    def shutdown(self) -> None:
+        """End the workers (asked first, then killed) and leave the group: no process and no
+        port left behind."""
+        if not self.closed and all(w.is_alive() for w in self.workers):
+            try:
+                dist.broadcast_object_list([None], src=0)
+            except Exception:  # noqa: BLE001  (a rank is gone: it is killed below)
+                pass
+        self.closed = True
+        for worker in self.workers:
+            worker.join(timeout=5)
+            if worker.is_alive():
+                worker.kill()
+                worker.join()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+__all__ = ["RowParallelLinear", "TensorParallelExecutor", "WorkerFailed", "build_shard",
+           "shard_args", "shard_state_dict", "worker_loop"]
