@@ -5,7 +5,7 @@ import pytest
 
 from pagedlab.footprint import kv_capacity
 from pagedlab.memory.contiguous import CATEGORIES, orca
-from pagedlab.sim import MEMORY_SYSTEMS, PagedKV, Request, make_memory, simulate, synthetic_requests
+from pagedlab.sim import SYSTEMS, PagedKV, Request, make_memory, simulate, synthetic_requests
 
 
 class Spy:
@@ -55,7 +55,7 @@ def check_run(requests, policy, step_seconds=0.05):
     return result, spy
 
 
-@pytest.mark.parametrize("name", MEMORY_SYSTEMS)
+@pytest.mark.parametrize("name", SYSTEMS)
 @pytest.mark.parametrize("dataset, rate", [("sharegpt", 5.0), ("alpaca", 50.0)])
 def test_every_request_finishes_once_and_categories_sum_to_capacity(name, dataset, rate):
     requests = synthetic_requests(dataset, 120, rate=rate, seed=1, max_context=512)

@@ -121,19 +121,21 @@ class PagedKV:
         return slots
 
 
-MEMORY_SYSTEMS = ("static", "orca-max", "orca-pow2", "orca-oracle", "paged")
+# The KV memory systems by name: vLLM's paging, Orca reserving least (Oracle) to most (Max),
+# FasterTransformer's static slots
+SYSTEMS = ("paged", "orca-oracle", "orca-pow2", "orca-max", "static")
 
 
 def make_memory(name: str, capacity: int, max_seq_len: int, block_size: int = 16) -> KVMemory:
-    """A fresh KV memory system by name (one of :data:`MEMORY_SYSTEMS`) over ``capacity``
+    """A fresh KV memory system by name (one of :data:`SYSTEMS`) over ``capacity``
     token slots."""
     if name == "static":
         return static_max(capacity, max_seq_len)
-    if name.startswith("orca-") and name in MEMORY_SYSTEMS:
+    if name.startswith("orca-") and name in SYSTEMS:
         return orca(capacity, name.removeprefix("orca-"), max_seq_len)
     if name == "paged":
         return PagedKV(capacity, block_size)
-    raise ValueError(f"memory system name={name!r} must be one of {MEMORY_SYSTEMS}")
+    raise ValueError(f"memory system name={name!r} must be one of {SYSTEMS}")
 
 
 @dataclass(frozen=True)
