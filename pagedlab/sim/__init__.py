@@ -1,4 +1,4 @@
-"""Simulation without a GPU: request traces, and KV memory over time under a policy.
+"""Simulation without a GPU: request traces, and KV memory over time under a memory system.
 
 Chapter 2 uses :mod:`~pagedlab.sim.memory_sim` to measure how contiguous allocation wastes
 memory; chapter 10 extends it with the engine's scheduler (:mod:`~pagedlab.sim.simulator`) and a GPU

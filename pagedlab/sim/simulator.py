@@ -164,7 +164,7 @@ def simulate_paged(
     slots = dict.fromkeys(CATEGORIES, zeros) | {
         "tokens": tokens, "rounding": used_slots - tokens, "free": capacity - used_slots}
     return SimResult(
-        policy=f"Paging (block {bs})",
+        system=f"Paging (block {bs})",
         capacity=capacity,
         time=np.array(times),
         duration=np.array(durations),
@@ -198,8 +198,8 @@ def simulate_system(system: str, requests: list[Request], cost: CostModel, **pag
     if system not in SYSTEMS:
         raise ValueError(f"system={system!r} must be one of {SYSTEMS}")
     capacity = cost.kv_capacity_tokens(config.gpu_memory_utilization)
-    policy = make_memory(system, capacity, max_len)
-    return simulate(requests, policy, cost=cost,
+    memory = make_memory(system, capacity, max_len)
+    return simulate(requests, memory, cost=cost,
                     batching="request" if system == "static" else "iteration")
 
 
