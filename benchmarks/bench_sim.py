@@ -31,9 +31,9 @@ from pathlib import Path
 
 from bench_decode import save
 
-from pagedlab.sim import load_trace, shared_trace_path, synthetic_requests
+from pagedlab.sim import SYSTEMS, load_trace, shared_trace_path, synthetic_requests
 from pagedlab.sim.cost_model import CostModel
-from pagedlab.sim.simulator import SYSTEMS, simulate_system
+from pagedlab.sim.simulator import simulate_system
 
 SYNTHETIC = (("alpaca", 50.0), ("sharegpt", 2.0))  # (dataset, requests/s)
 

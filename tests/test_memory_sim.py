@@ -5,45 +5,45 @@ import pytest
 
 from pagedlab.footprint import kv_capacity
 from pagedlab.memory.contiguous import CATEGORIES, orca
-from pagedlab.sim import MEMORY_SYSTEMS, PagedKV, Request, make_memory, simulate, synthetic_requests
+from pagedlab.sim import SYSTEMS, PagedKV, Request, make_memory, simulate, synthetic_requests
 
 
 class Spy:
-    """Wraps a policy; checks the simulation's calls and records each request's history."""
+    """Wraps a memory system; checks the simulation's calls and records each request's history."""
 
-    def __init__(self, policy):
-        self.policy, self.name, self.capacity = policy, policy.name, policy.capacity
+    def __init__(self, memory):
+        self.memory, self.name, self.capacity = memory, memory.name, memory.capacity
         self.stored: dict[int, int] = {}  # admitted request id -> tokens stored
         self.requests: dict[int, Request] = {}
         self.completed: list[int] = []  # ids freed at their final length
         self.preempted: list[int] = []  # ids freed before it
 
     def can_admit(self, request, num_tokens):
-        return self.policy.can_admit(request, num_tokens)
+        return self.memory.can_admit(request, num_tokens)
 
     def admit(self, request, num_tokens):
         assert request.id not in self.stored and request.id not in self.completed
-        self.policy.admit(request, num_tokens)
+        self.memory.admit(request, num_tokens)
         self.stored[request.id], self.requests[request.id] = num_tokens, request
 
     def can_append(self, request_id):
-        return self.policy.can_append(request_id)
+        return self.memory.can_append(request_id)
 
     def append(self, request_id):
-        self.policy.append(request_id)
+        self.memory.append(request_id)
         self.stored[request_id] += 1
 
     def free(self, request_id):
-        self.policy.free(request_id)
+        self.memory.free(request_id)
         done = self.stored.pop(request_id) == self.requests[request_id].total_len
         (self.completed if done else self.preempted).append(request_id)
 
     def breakdown(self, waiting=None):
-        return self.policy.breakdown(waiting)
+        return self.memory.breakdown(waiting)
 
 
-def check_run(requests, policy, step_seconds=0.05):
-    spy = Spy(policy)
+def check_run(requests, memory, step_seconds=0.05):
+    spy = Spy(memory)
     result = simulate(requests, spy, step_seconds=step_seconds)
     assert sorted(spy.completed) == sorted(r.id for r in requests)  # each served exactly once
     assert not spy.stored  # nothing left holding memory
@@ -51,11 +51,11 @@ def check_run(requests, policy, step_seconds=0.05):
     assert result.preemptions == len(spy.preempted)
     slots = np.stack([result.slots[c] for c in CATEGORIES])  # [categories, steps]
     assert (slots >= 0).all()
-    assert (slots.sum(axis=0) == policy.capacity).all()  # the pool is fully accounted for
+    assert (slots.sum(axis=0) == memory.capacity).all()  # the pool is fully accounted for
     return result, spy
 
 
-@pytest.mark.parametrize("name", MEMORY_SYSTEMS)
+@pytest.mark.parametrize("name", SYSTEMS)
 @pytest.mark.parametrize("dataset, rate", [("sharegpt", 5.0), ("alpaca", 50.0)])
 def test_every_request_finishes_once_and_categories_sum_to_capacity(name, dataset, rate):
     requests = synthetic_requests(dataset, 120, rate=rate, seed=1, max_context=512)

@@ -331,6 +331,28 @@ def test_prefix_hits_are_neither_computed_nor_counted_as_prefill():
     assert [(c.start, c.num_tokens) for c in second.prefills] == [(8, 1)]
 
 
+def test_a_verification_chunk_reads_its_cached_tokens_not_its_own():
+    """A speculative decode of 1 + k query tokens is attended like a prompt chunk: it reads the
+    ``start`` cached keys, and its own within the chunk. Its step's stats and the cost fit's
+    feature count it the same way."""
+    from pagedlab.sim.calibration import features, step_shape
+
+    sched = make(num_blocks=16, watermark=0.0, speculative_config={"num_speculative_tokens": 3})
+    sched.add_request("a", [1, 2, 3, 1, 2, 3, 1], SamplingParams(max_tokens=8))
+    sched.add_request("b", [10, 11, 12, 13], SamplingParams(max_tokens=4))
+    run_step(sched, token=2)  # both prompts; a's is now 1 2 3 1 2 3 1 2, b's 10 11 12 13 2
+    step, _ = run_step(sched, token=2)
+    assert [(c.start, c.num_tokens, c.draft) for c in step.decodes] == [
+        (7, 1 + 3, [3, 1, 2]),  # a: "1 2" was followed by 3 1 2
+        (4, 1, []),  # b: "2" has no earlier match, nothing to propose
+    ]
+    # a reads its 7 cached keys (its 4 own are the chunk's); b its 4 and its new one
+    assert step.stats.kv_tokens_read == 7 + (4 + 1)
+    shape = step_shape(step)
+    assert features(shape.prefill_lens, shape.decode_lens, shape.prefill_starts)[
+        "kv_tokens_read"] == 7 + (4 + 1)
+
+
 @pytest.mark.parametrize("plen, prefills", [
     # a prompt shorter than a block: nothing to share, each sample recomputes all its tokens
     (2, [(0, 5), (0, 5)]),

@@ -7,10 +7,9 @@ import pytest
 
 from pagedlab.engine import Scheduler
 from pagedlab.memory.contiguous import CATEGORIES
-from pagedlab.sim import Request, synthetic_requests
+from pagedlab.sim import SYSTEMS, Request, synthetic_requests
 from pagedlab.sim.cost_model import CostModel
 from pagedlab.sim.simulator import (
-    SYSTEMS,
     PagedConfig,
     knee_rate,
     knee_rates,

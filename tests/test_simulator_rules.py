@@ -197,7 +197,7 @@ def test_a_run_records_every_step_and_request():
     """A (prompt 4, 3 tokens, at 1.0 s) and B (prompt 2, 1 token, at 1.2 s) in 8 blocks of 4:
     A prefills alone; at 1.5 s A decodes its 5th token as B prefills; at 2.0 s A decodes alone."""
     res = simulate([Request(0, 1.0, 4, 3), Request(1, 1.2, 2, 1)], num_gpu_blocks=8)
-    assert res.policy == "Paging (block 4)" and res.capacity == 32
+    assert res.system == "Paging (block 4)" and res.capacity == 32
     assert res.time.tolist() == [1.0, 1.5, 2.0] and res.duration.tolist() == [0.5] * 3
     assert res.running.tolist() == [1, 2, 1] and res.waiting.tolist() == [0, 0, 0]
     assert res.slots["tokens"].tolist() == [4, 5 + 2, 6]  # in the cache once each step is run

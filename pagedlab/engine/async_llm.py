@@ -91,10 +91,6 @@ class AsyncLLM:
         """Requests whose consumers are still reading (a server drains until there are none)."""
         return len(self._queues)
 
-    @property
-    def num_running(self) -> int:
-        return len(self.llm.scheduler.unfinished)
-
     async def _run(self) -> None:
         """Admit, abort, step, deliver; sleep while there is nothing to do."""
         llm = self.llm

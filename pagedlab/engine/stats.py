@@ -22,7 +22,7 @@ class StepStats:
     blocks_swapped_out: int = 0
     blocks_swapped_in: int = 0
     blocks_copied: int = 0  # copy-on-write copies
-    kv_tokens_read: int = 0  # cached keys attention reads: prefill chunks' prefixes, decodes'
+    kv_tokens_read: int = 0  # cached keys attention reads (pagedlab.engine.step.kv_tokens_read)
     draft_tokens: int = 0  # speculative proposals the decodes verify
 
     @property

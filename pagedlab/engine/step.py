@@ -11,7 +11,7 @@ next step's proposals).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
@@ -113,8 +113,8 @@ class Step:
             prefill_seqs=len(self.prefills),
             prefill_tokens=sum(c.num_tokens for c in self.prefills),
             decode_seqs=len(self.decodes),
-            kv_tokens_read=sum(c.start for c in self.prefills)
-            + sum(c.context_len for c in self.decodes),
+            kv_tokens_read=kv_tokens_read([c.start for c in self.multi_token],
+                                          [c.context_len for c in self.single_token]),
             running=running,
             waiting=waiting,
             swapped=swapped,
@@ -126,6 +126,17 @@ class Step:
             blocks_copied=len(self.copies),
             draft_tokens=self.num_draft_tokens,
         )
+
+
+def kv_tokens_read(prefill_starts: Iterable[int], decode_lens: Iterable[int]) -> int:
+    """Cached keys a step's attention reads, for its :class:`StepStats` and the cost fit alike.
+
+    A chunk of several query tokens (a prefill chunk, or a speculative decode: the pending
+    token and its proposals, shaped like one) reads the ``start`` tokens cached before it
+    (``prefill_starts``) and attends to its own keys within the chunk, as a prompt does; a
+    one-token decode reads its whole context, its new token included (``decode_lens``).
+    """
+    return sum(prefill_starts) + sum(decode_lens)
 
 
 class StepOutput(NamedTuple):

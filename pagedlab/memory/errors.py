@@ -13,7 +13,7 @@ class OutOfBlocks(RuntimeError):
     def __init__(self, needed: int, free: int, pool: str, owner=None):
         self.needed, self.free, self.pool, self.owner = needed, free, pool, owner
         super().__init__(
-            f"{describe(owner)} needs {needed} block{'s' * (needed != 1)}, "
+            f"{name_owner(owner)} needs {needed} block{'s' * (needed != 1)}, "
             f"pool {pool!r} has {free} free"
         )
 
@@ -33,7 +33,7 @@ class InvariantError(AssertionError):
     """``check_invariants`` found the bookkeeping inconsistent: a bug, never a user error."""
 
 
-def describe(owner) -> str:
+def name_owner(owner) -> str:
     """How messages name who asked: a sequence id, a list of them (a group), or nobody."""
     if owner is None:
         return "a request"

@@ -1,4 +1,4 @@
-"""Simulation without a GPU: request traces, and KV memory over time under a policy.
+"""Simulation without a GPU: request traces, and KV memory over time under a memory system.
 
 Chapter 2 uses :mod:`~pagedlab.sim.memory_sim` to measure how contiguous allocation wastes
 memory; chapter 10 extends it with the engine's scheduler (:mod:`~pagedlab.sim.simulator`) and a GPU
@@ -8,7 +8,7 @@ cost model (:mod:`~pagedlab.sim.cost_model`); chapters 5 and 10 measure what sha
 
 from pagedlab.sim.cost_model import CostModel
 from pagedlab.sim.memory_sim import (
-    MEMORY_SYSTEMS,
+    SYSTEMS,
     KVMemory,
     PagedKV,
     SimResult,
@@ -17,7 +17,6 @@ from pagedlab.sim.memory_sim import (
 )
 from pagedlab.sim.simulator import (
     SYSTEM_NAMES,
-    SYSTEMS,
     PagedConfig,
     SimExecutor,
     knee_rate,
@@ -39,7 +38,7 @@ from pagedlab.sim.traces import (
 )
 
 __all__ = [
-    "DATASETS", "MEMORY_SYSTEMS", "SYSTEMS", "SYSTEM_NAMES", "CostModel", "KVMemory",
+    "DATASETS", "SYSTEMS", "SYSTEM_NAMES", "CostModel", "KVMemory",
     "LengthStats", "PagedConfig", "PagedKV", "Request", "SimExecutor", "SimResult",
     "clip_to_context", "knee_rate", "knee_rates", "load_trace", "make_memory",
     "shared_trace_path", "simulate", "simulate_paged", "simulate_system", "sweep",

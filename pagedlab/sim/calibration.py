@@ -24,6 +24,7 @@ from typing import NamedTuple
 import numpy as np
 
 from pagedlab._checks import check_positive
+from pagedlab.engine.step import kv_tokens_read
 from pagedlab.sim.cost_model import prefill_pairs
 
 FEATURES = ("decode_seqs", "prefill_tokens", "kv_tokens_read", "attention_pairs", "prefill_seqs")
@@ -50,12 +51,12 @@ def features(prefill_lens: Sequence[int], decode_lens: Sequence[int],
              prefill_starts: Sequence[int] = ()) -> dict[str, int]:
     """Each of :data:`FEATURES` for one step. A prefill chunk after ``s`` cached tokens reads
     those ``s`` (its attention pairs: :func:`~pagedlab.sim.cost_model.prefill_pairs`); a decode
-    reads its whole context."""
+    reads its whole context (:func:`~pagedlab.engine.step.kv_tokens_read`)."""
     starts = prefill_starts or (0,) * len(prefill_lens)
     return {
         "decode_seqs": len(decode_lens),
         "prefill_tokens": sum(prefill_lens),
-        "kv_tokens_read": sum(starts) + sum(decode_lens),
+        "kv_tokens_read": kv_tokens_read(starts, decode_lens),
         "attention_pairs": prefill_pairs(prefill_lens, starts),
         "prefill_seqs": len(prefill_lens),
     }

@@ -1,13 +1,14 @@
-"""A step-driven simulation of KV-cache memory over time, under a pluggable allocation policy.
+"""A step-driven simulation of KV-cache memory over time, under a pluggable memory system.
 
 Requests arrive (:mod:`pagedlab.sim.traces`) and queue; they are admitted first come, first
-served while the policy has room, which stores their prompt; at every step each running
-request decodes one token, whose KV the policy must store; a request that has produced all
-its output tokens leaves and releases its memory. After each step the policy sorts its slots
-into the categories of :class:`~pagedlab.memory.contiguous.MemoryBreakdown`, giving a time
-series and its time-average (the paper's Fig. 2).
+served while the memory system has room, which stores their prompt; at every step each
+running request decodes one token, whose KV the memory system must store; a request that has
+produced all its output tokens leaves and releases its memory. After each step the memory
+system sorts its slots into the categories of
+:class:`~pagedlab.memory.contiguous.MemoryBreakdown`, giving a time series and its
+time-average (the paper's Fig. 2).
 
-Contiguous policies reserve a request's whole region at admission, so decoding never runs
+Contiguous systems reserve a request's whole region at admission, so decoding never runs
 out. Paging allocates a block at a time and can: then the latest admitted request is
 preempted (freed and put back at the head of the queue, to resume later with its prompt and
 the tokens it had produced) and no one is admitted until a request finishes. This is a
@@ -44,8 +45,8 @@ BATCHING = ("iteration", "request")
 
 
 class KVMemory(Protocol):
-    """What the simulation asks of a KV memory system (the policy that hands out its slots);
-    requests are named by their id."""
+    """What the simulation asks of a KV memory system (what hands out its slots); requests are
+    named by their id."""
 
     name: str
     capacity: int  # token slots in the pool
@@ -121,26 +122,28 @@ class PagedKV:
         return slots
 
 
-MEMORY_SYSTEMS = ("static", "orca-max", "orca-pow2", "orca-oracle", "paged")
+# The KV memory systems by name: vLLM's paging, Orca reserving least (Oracle) to most (Max),
+# FasterTransformer's static slots
+SYSTEMS = ("paged", "orca-oracle", "orca-pow2", "orca-max", "static")
 
 
 def make_memory(name: str, capacity: int, max_seq_len: int, block_size: int = 16) -> KVMemory:
-    """A fresh KV memory system by name (one of :data:`MEMORY_SYSTEMS`) over ``capacity``
+    """A fresh KV memory system by name (one of :data:`SYSTEMS`) over ``capacity``
     token slots."""
     if name == "static":
         return static_max(capacity, max_seq_len)
-    if name.startswith("orca-") and name in MEMORY_SYSTEMS:
+    if name.startswith("orca-") and name in SYSTEMS:
         return orca(capacity, name.removeprefix("orca-"), max_seq_len)
     if name == "paged":
         return PagedKV(capacity, block_size)
-    raise ValueError(f"memory system name={name!r} must be one of {MEMORY_SYSTEMS}")
+    raise ValueError(f"memory system name={name!r} must be one of {SYSTEMS}")
 
 
 @dataclass(frozen=True)
 class SimResult:
     """What a run recorded at the end of each step, and its counters."""
 
-    policy: str
+    system: str  # the memory system's name
     capacity: int  # token slots
     time: np.ndarray  # [steps] seconds at which each step began
     duration: np.ndarray  # [steps] seconds each step lasted
@@ -194,7 +197,7 @@ class SimResult:
         """
         mask = self.waiting > 0 if saturated else np.ones_like(self.waiting, dtype=bool)
         if not mask.any():
-            raise ValueError(f"{self.policy}: no step had a waiting request; the load never "
+            raise ValueError(f"{self.system}: no step had a waiting request; the load never "
                              f"saturated memory (use saturated=False)")
         weights = self.duration[mask]
         shares = {c: float(np.average(self.slots[c][mask], weights=weights)) / self.capacity
@@ -205,13 +208,13 @@ class SimResult:
 
 def simulate(
     requests: list[Request],
-    policy: KVMemory,
+    memory: KVMemory,
     *,
     step_seconds: float | None = None,
     cost: CostModel | None = None,
     batching: str = "iteration",
 ) -> SimResult:
-    """Serve ``requests`` under ``policy``, one step at a time.
+    """Serve ``requests`` with ``memory`` holding their KV, one step at a time.
 
     A step lasts ``step_seconds``, or what ``cost`` says a step with its prefills and decodes
     takes on a GPU (give exactly one). ``batching="iteration"`` admits requests at every step
@@ -248,30 +251,30 @@ def simulate(
         while admitting and waiting:  # FCFS admission while memory allows
             r = waiting[0]
             stored = r.prompt_len + generated[r.id]  # a preempted request resumes where it was
-            if not policy.can_admit(r, stored):
+            if not memory.can_admit(r, stored):
                 break
-            policy.admit(waiting.popleft(), stored)
+            memory.admit(waiting.popleft(), stored)
             running.append(r)
             prefills[r.id] = stored
         if not running:
             r = waiting[0]
             raise RuntimeError(f"request {r.id} (prompt_len={r.prompt_len}, output_len="
-                               f"{r.output_len}) does not fit in {policy.name}'s "
-                               f"{policy.capacity} slots even alone")
+                               f"{r.output_len}) does not fit in {memory.name}'s "
+                               f"{memory.capacity} slots even alone")
 
         i = 0
         while i < len(running):  # each running request decodes one token
             r = running[i]
-            while not policy.can_append(r.id):  # paging only: preempt the latest request
+            while not memory.can_append(r.id):  # paging only: preempt the latest request
                 victim = running.pop()
-                policy.free(victim.id)
+                memory.free(victim.id)
                 waiting.appendleft(victim)
                 preemptions += 1
                 memory_full = True
                 if victim is r:
                     break
             else:
-                policy.append(r.id)
+                memory.append(r.id)
                 generated[r.id] += 1
                 i += 1
         if cost is None:
@@ -280,14 +283,14 @@ def simulate(
             duration = cost.step_time(
                 [prefills[r.id] for r in running if r.id in prefills],
                 [r.prompt_len + generated[r.id] for r in running if r.id not in prefills])
-        record.append((now, policy.breakdown(waiting[0] if waiting else None),
+        record.append((now, memory.breakdown(waiting[0] if waiting else None),
                        len(running), len(waiting), duration))
 
         now += duration
         still_running = []
         for r in running:
             if generated[r.id] == r.output_len:
-                policy.free(r.id)
+                memory.free(r.id)
                 finish[r.id] = now
                 finished += 1
                 memory_full = False
@@ -297,8 +300,8 @@ def simulate(
 
     breakdowns = [b for _, b, _, _, _ in record]
     return SimResult(
-        policy=policy.name,
-        capacity=policy.capacity,
+        system=memory.name,
+        capacity=memory.capacity,
         time=np.array([t for t, _, _, _, _ in record]),
         duration=np.array([d for _, _, _, _, d in record], dtype=float),
         slots={c: np.array([getattr(b, c) for b in breakdowns]) for c in CATEGORIES},

@@ -10,8 +10,10 @@ with ``ignore_eos``), so the trace, not a model, decides when it stops.
 The baselines (FasterTransformer's static batching, Orca's Max / Pow2 / Oracle reservation)
 reserve contiguous regions, which the paged manager cannot express; they run through the
 step loop of :mod:`pagedlab.sim.memory_sim` with the same cost model. :func:`simulate_system`
-serves one trace under any of :data:`SYSTEMS`; :func:`sweep` runs rates in parallel processes;
-:func:`knee_rate` finds where normalised latency crosses a threshold (the paper's Fig. 12).
+serves one trace under any of the memory systems
+:data:`~pagedlab.sim.memory_sim.SYSTEMS` names; :func:`sweep` runs rates in parallel
+processes; :func:`knee_rate` finds where normalised latency crosses a threshold (the paper's
+Fig. 12).
 """
 
 from __future__ import annotations
@@ -32,10 +34,9 @@ from pagedlab.memory import KVCacheManager
 from pagedlab.memory.contiguous import CATEGORIES
 from pagedlab.sim.calibration import step_shape
 from pagedlab.sim.cost_model import CostModel
-from pagedlab.sim.memory_sim import SimResult, make_memory, simulate
+from pagedlab.sim.memory_sim import SYSTEMS, SimResult, make_memory, simulate
 from pagedlab.sim.traces import Request, clip_to_context, synthetic_requests
 
-SYSTEMS = ("paged", "orca-oracle", "orca-pow2", "orca-max", "static")
 SYSTEM_NAMES = {"paged": "vLLM (paging)", "orca-oracle": "Orca (Oracle)",
                 "orca-pow2": "Orca (Pow2)", "orca-max": "Orca (Max)",
                 "static": "FasterTransformer"}
@@ -178,7 +179,7 @@ def simulate_paged(
     slots = dict.fromkeys(CATEGORIES, zeros) | {
         "tokens": tokens, "rounding": used_slots - tokens, "free": capacity - used_slots}
     return SimResult(
-        policy=f"Paging (block {bs})",
+        system=f"Paging (block {bs})",
         capacity=capacity,
         time=np.array(times),
         duration=np.array(durations),
@@ -198,7 +199,8 @@ def simulate_paged(
 
 
 def simulate_system(system: str, requests: list[Request], cost: CostModel, **paged) -> SimResult:
-    """Serve ``requests`` under ``system`` (one of :data:`SYSTEMS`) on ``cost``'s GPU.
+    """Serve ``requests`` under ``system`` (one of
+    :data:`~pagedlab.sim.memory_sim.SYSTEMS`) on ``cost``'s GPU.
 
     Requests are clipped to the model's context. ``paged`` holds :class:`PagedConfig` fields
     for the paged system; the baselines share its ``gpu_memory_utilization``.
@@ -211,8 +213,8 @@ def simulate_system(system: str, requests: list[Request], cost: CostModel, **pag
     if system not in SYSTEMS:
         raise ValueError(f"system={system!r} must be one of {SYSTEMS}")
     capacity = cost.kv_capacity_tokens(config.gpu_memory_utilization)
-    policy = make_memory(system, capacity, max_len)
-    return simulate(requests, policy, cost=cost,
+    memory = make_memory(system, capacity, max_len)
+    return simulate(requests, memory, cost=cost,
                     batching="request" if system == "static" else "iteration")
 
 
