@@ -492,7 +492,8 @@ def online_sweep(logits, block_sizes: Sequence[int] = (2,)) -> Figure:
     axes[1, 0].set_ylabel("running sum ℓ", fontsize=FONT + 1)
     axes[1, 0].set_ylim(0, 1.3 * max(denominator, max(before)))
     handles = dict(zip(*reversed(axes[1, 0].get_legend_handles_labels())))  # label -> artist
-    order = ["ℓ before the block", "ℓ × α (rescaled)", "+ the block's terms", "softmax denominator"]
+    order = ["ℓ before the block", "ℓ × α (rescaled)", "+ the block's terms",
+             "softmax denominator"]
     fig.legend([handles[k] for k in order], order, loc="outside lower center", ncols=4,
                fontsize=FONT, frameon=False)
     return fig
