@@ -195,3 +195,42 @@ def test_chunk_mask_shows_every_cached_key_and_the_chunk_causally(cached, chunk,
     expected = torch.ones(chunk, cached + chunk).tril(cached).sum().item()  # key k <= cached + j
     assert visible == expected
     assert len(D.artists(fig, "block_edge")) == (cached + chunk) // block_size + 1
+
+
+@pytest.mark.parametrize("logits,block_sizes", [([1.0, 2.0, 3.0, 0.0], (2, 1)),
+                                                ([0.5, -1.0, 4.0, 2.0, 4.5], (2,)),
+                                                ([3.0, 2.0, 1.0], (1, 3))])
+def test_online_sweep_draws_each_blocks_state_and_the_rescaling(logits, block_sizes):
+    """One step of the maximum and one set of bars per block; the blue bar is the old sum times
+    exp(m_old - m_new), and the last stack reaches the plain softmax denominator."""
+    fig = D.online_sweep(torch.tensor(logits), block_sizes)
+    s = torch.tensor(logits, dtype=torch.float64)
+    denominator = torch.exp(s - s.max()).sum().item()
+    steps = [math.ceil(len(logits) / b) for b in block_sizes]
+    lines = D.artists(fig, "running_max")
+    assert len(lines) == len(block_sizes)
+    before, rescaled, terms = (D.artists(fig, g) for g in ("sum_before", "sum_rescaled",
+                                                             "block_terms"))
+    assert len(before) == len(rescaled) == len(terms) == len(D.artists(fig, "alpha")) == sum(steps)
+    first = 0
+    for line, b, T in zip(lines, block_sizes, steps):
+        blocks = [logits[i:i + b] for i in range(0, len(logits), b)]
+        maxima = [max(x for blk in blocks[:t + 1] for x in blk) for t in range(T)]
+        assert line.get_data().values.tolist() == pytest.approx(maxima)
+        l_old, m_old = 0.0, -math.inf
+        for t in range(T):
+            i = first + t
+            assert before[i].get_height() == pytest.approx(l_old)
+            assert rescaled[i].get_height() == pytest.approx(l_old * math.exp(m_old - maxima[t]))
+            assert terms[i].get_y() == pytest.approx(rescaled[i].get_height())
+            l_old = terms[i].get_y() + terms[i].get_height()  # the new l, the stack's top
+            assert l_old == pytest.approx(sum(math.exp(x - maxima[t])
+                                              for blk in blocks[:t + 1] for x in blk))
+            m_old = maxima[t]
+        assert l_old == pytest.approx(denominator)
+        first += T
+    dashed = D.artists(fig, "denominator")  # one per block size
+    assert [d.get_ydata()[0] for d in dashed] == pytest.approx([denominator] * len(block_sizes))
+    from pagedlab.viz import style
+    assert style.overlapping_text(fig) == [] and style.small_text(fig) == []
+    assert fig.get_size_inches()[0] == pytest.approx(7)

@@ -433,3 +433,70 @@ def traffic_bars(loads: Mapping[str, Mapping[str, int]], unit: int = 1024,
     ax.legend(fontsize=FONT, ncols=min(len(tensors), 4), loc="lower center",
               bbox_to_anchor=(0.5, 1.0), frameon=False)
     return fig
+
+
+# --- Chapter 3: the online softmax's running maximum and rescaled sum -----------------------
+
+
+def online_sweep(logits, block_sizes: Sequence[int] = (2,)) -> Figure:
+    """The online softmax's state after each block of one row of logits, one column per block size.
+
+    Top: the running maximum m after each block, a step line. Bottom, for each block t: the
+    running sum l before the block (grey); the same sum times alpha = exp(m_old - m_new) (blue),
+    with the block's own terms, the sum of exp(s_j - m_new), stacked on it (orange), so the stack
+    is the new l; a dashed line marks the plain softmax denominator, the sum of exp(s_j - max s).
+    The states come from :func:`pagedlab.softmax._online_step`, the step ``online_softmax`` takes.
+    """
+    import torch
+
+    from pagedlab import softmax
+
+    s = torch.as_tensor(logits, dtype=torch.float64).flatten()  # [n]
+    denominator = torch.exp(s - s.max()).sum().item()
+    fig, axes = plt.subplots(2, len(block_sizes), figsize=(WIDTH, 4.6), sharey="row",
+                             squeeze=False, height_ratios=(1, 1.6), layout="constrained")
+    for c, block_size in enumerate(block_sizes):
+        m, l = s.new_tensor(-math.inf), s.new_tensor(0.0)
+        maxima, before, rescaled, terms, alphas = [], [], [], [], []
+        for block in s.split(block_size):
+            m, l_new, alpha, p = softmax._online_step(m, l, block)
+            maxima.append(m.item())
+            before.append(l.item())
+            rescaled.append((alpha * l).item())
+            terms.append(p.sum().item())
+            alphas.append(alpha.item())
+            l = l_new
+        steps = range(1, len(maxima) + 1)
+        top, bottom = axes[0, c], axes[1, c]
+        top.stairs(maxima, [t - 0.5 for t in steps] + [len(maxima) + 0.5], baseline=None,
+                   color=COLORS[3], lw=2, gid="running_max")
+        top.set_title(f"blocks of {block_size}", fontsize=FONT + 1)
+        top.set_xticks(list(steps), [])
+        for t, b, r, p, a in zip(steps, before, rescaled, terms, alphas):
+            bottom.bar(t - 0.19, b, 0.34, color="#bbbbbb", label="ℓ before the block"
+                       ).patches[0].set_gid("sum_before")
+            bottom.bar(t + 0.19, r, 0.34, color=COLORS[0], label="ℓ × α (rescaled)"
+                       ).patches[0].set_gid("sum_rescaled")
+            bottom.bar(t + 0.19, p, 0.34, bottom=r, color=COLORS[1], label="+ the block's terms"
+                       ).patches[0].set_gid("block_terms")
+            bottom.text(t + 0.19, r + p + 0.05, f"α={a:.2g}", ha="center", va="bottom",
+                        fontsize=FONT, gid="alpha")
+        bottom.axhline(denominator, color="#444444", ls="--", lw=1, gid="denominator",
+                       label="softmax denominator")
+        bottom.set_xticks(list(steps), [str(t) for t in steps], fontsize=FONT)
+        bottom.set_xlabel("block t", fontsize=FONT + 1)
+        for ax in (top, bottom):
+            ax.set_xlim(0.4, len(maxima) + 0.6)
+            ax.tick_params(labelsize=FONT)
+    axes[0, 0].set_ylabel("running max m", fontsize=FONT + 1)
+    axes[1, 0].set_ylabel("running sum ℓ", fontsize=FONT + 1)
+    axes[1, 0].set_ylim(0, 1.3 * max(denominator, max(before)))
+    handles = dict(zip(*reversed(axes[1, 0].get_legend_handles_labels())))  # label -> artist
+    order = ["ℓ before the block", "ℓ × α (rescaled)", "+ the block's terms",
+             "softmax denominator"]
+    fig.legend([handles[k] for k in order], order, loc="outside lower center", ncols=4,
+               fontsize=FONT, frameon=False)
+    return fig
+
+
+__all__ += ["online_sweep"]
