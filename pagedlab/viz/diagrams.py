@@ -480,7 +480,7 @@ def free_list_moves(moments: Sequence[tuple[str, Sequence[int], Sequence[int]]],
             if any(b in prev_table and b not in prev_free for b in free):
                 _arrow(ax, (6.4, mid), (5.5, mid), gid="give", color="#e8590c")
         prev_free, prev_table = set(free), set(table)
-    ax.text(free_x, -0.5, "orange: blocks that arrived since the row above; arrow: blocks "
-            "taken by the table (→) or given back (←)", fontsize=FONT, color="#555555",
+    ax.text(free_x, -0.5, "orange: arrived since the row above; arrow: blocks taken by the table (→) "
+            "or given back (←)", fontsize=FONT, color="#555555",
             va="center")
     return fig
