@@ -234,3 +234,52 @@ def test_online_sweep_draws_each_blocks_state_and_the_rescaling(logits, block_si
     from pagedlab.viz import style
     assert style.overlapping_text(fig) == [] and style.small_text(fig) == []
     assert fig.get_size_inches()[0] == pytest.approx(7)
+
+
+def test_free_list_moves_draws_each_moment_and_the_blocks_that_moved():
+    """Chapter 4's request: a row per moment, a box per block in the free list and the table,
+    orange for the blocks that arrived since the row above, an arrow for each hand-over."""
+    from pagedlab.memory import KVCacheManager
+    from pagedlab.viz import style
+
+    mgr = KVCacheManager(num_gpu_blocks=12, block_size=4)
+    moments = []  # (what happened, free list bottom to top, block table)
+
+    def moment(what):
+        table = mgr.block_table("seed") if "seed" in mgr else []
+        moments.append((what, mgr.gpu._free.copy(), table))
+
+    mgr.allocate("a", range(8))
+    mgr.allocate("b", range(5))
+    moment("a and b running")
+    mgr.free("a")
+    moment("a finishes")
+    mgr.allocate("seed", range(7))
+    moment("prefill")
+    mgr.append("seed", [0])
+    moment("fills the last block")
+    mgr.append("seed", [0])
+    moment("takes a block")
+    mgr.free("seed")
+    moment("completion")
+    with matplotlib.rc_context():
+        style.use()
+        fig = D.free_list_moves(moments, "seed")
+        assert style.overlapping_text(fig) == [] and style.small_text(fig) == []
+    moved = free = table = 0
+    prev_fl, prev_tb = set(), set()
+    for r, (_, fl, tb) in enumerate(moments):
+        new_fl = [b for b in fl if r > 0 and b not in prev_fl]
+        new_tb = [b for b in tb if r > 0 and b not in prev_tb]
+        moved += len(new_fl) + len(new_tb)
+        free += len(fl) - len(new_fl)
+        table += len(tb) - len(new_tb)
+        prev_fl, prev_tb = set(fl), set(tb)
+    assert len(D.artists(fig, "moved")) == moved > 0
+    assert len(D.artists(fig, "free")) == free and len(D.artists(fig, "table")) == table
+    # the boxes carry the block ids, row by row, free list then table, in the data's order
+    drawn = [t for t in texts(fig) if t.isdigit()]
+    assert drawn == [str(b) for _, fl, tb in moments for b in [*fl, *tb]]
+    # one hand-over to the table at prefill and at the overflow, one back at completion
+    assert len(D.artists(fig, "take")) == 2 and len(D.artists(fig, "give")) == 1
+    assert [t for t in texts(fig) if t in [m[0] for m in moments]] == [m[0] for m in moments]

@@ -81,12 +81,14 @@ class BlockAllocator:
             if evictor is None or short > evictor.num_evictable:
                 raise OutOfBlocks(n, self.num_free, self.name, owner)
             free += evictor.evict(short)
+        # >>> take
         blocks = free[-n:]
         del free[-n:]
         blocks.reverse()
         refs = self._refs
         for b in blocks:
             refs[b] = 1
+        # <<< take
         return blocks
 
     def share(self, blocks: Sequence[int]) -> None:
@@ -119,9 +121,11 @@ class BlockAllocator:
         :class:`StateError` naming it, and changes nothing: no count ever goes below zero.
         """
         refs = self._refs
+        # >>> check
         for b in blocks:
             if not (0 <= b < self.num_blocks and refs[b] > 0):
                 raise StateError(f"block {b} of pool {self.name!r} is already free")
+        # <<< check
         if len(blocks) > 1 and len(set(blocks)) < len(blocks):  # a block named twice
             for b, times in Counter(blocks).items():
                 if times > refs[b]:

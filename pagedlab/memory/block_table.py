@@ -40,8 +40,10 @@ class BlockTable:
 
     def _growth(self, num_tokens: int, allocator: BlockAllocator) -> tuple[int, bool]:
         """(new blocks an append of ``num_tokens`` needs, whether the last block must be copied)."""
+        # >>> grow
         n, bs = len(self.token_ids), self.block_size
         grow = cdiv(n + num_tokens, bs) - len(self.blocks)  # ceil: a block only when full
+        # <<< grow
         shared_tail = n % bs != 0 and allocator.refcount(self.blocks[-1]) > 1
         return grow, shared_tail
 

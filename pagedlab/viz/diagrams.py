@@ -500,3 +500,54 @@ def online_sweep(logits, block_sizes: Sequence[int] = (2,)) -> Figure:
 
 
 __all__ += ["online_sweep"]
+
+
+# --- Chapter 4: a request's blocks between the free list and its block table ---------------
+
+
+def free_list_moves(moments: Sequence[tuple[str, Sequence[int], Sequence[int]]],
+                    seq_name: str = "the request") -> Figure:
+    """The free list and one sequence's block table at a few moments, one row each.
+
+    ``moments`` holds ``(what happened, free list, block table)``. The free list is given
+    bottom to top, as the allocator stores it (it pops from the end), and drawn left to right,
+    so the top of the stack sits next to the table; the table is drawn in logical order. A block
+    that entered the free list or the table since the row above is orange (gid ``moved``), the
+    others blue (``free``, ``table``). An arrow shows blocks the table took from the free list
+    (gid ``take``) or gave back to it (``give``).
+    """
+    rows = len(moments)
+    most_free = max([len(free) for _, free, _ in moments] + [1])
+    most_table = max([len(table) for _, _, table in moments] + [1])
+    w = min(0.62, 5.0 / most_free, 3.2 / most_table)  # a box's width
+    free_x, table_x, h = 0.2, 6.6, 0.45
+    fig, ax = _canvas(0.9 + 0.62 * rows, (0, 10), (-0.9, rows + 0.35))
+    ax.text(free_x, rows + 0.1, "free list (bottom ... top of the stack)", fontsize=FONT,
+            fontweight="bold", va="center")
+    ax.text(table_x, rows + 0.1, f"block table of {seq_name}", fontsize=FONT, fontweight="bold",
+            va="center")
+    prev_free: set[int] = set()
+    prev_table: set[int] = set()
+    for r, (what, free, table) in enumerate(moments):
+        y = rows - 1 - r  # the row's boxes sit on y, its label above them
+        ax.text(free_x, y + 0.66, what, fontsize=FONT, color="#333333", va="center")
+        for x0, blocks, gid, before in ((free_x, free, "free", prev_free),
+                                        (table_x, table, "table", prev_table)):
+            for i, b in enumerate(blocks):
+                moved = r > 0 and b not in before
+                _box(ax, x0 + i * w, y, w * 0.92, h, str(b), gid="moved" if moved else gid,
+                     fill="#fde0cf" if moved else "#d0e2f3", edge="#e8590c" if moved else "#444444")
+        if not table:
+            ax.text(table_x, y + h / 2, "(no blocks)", fontsize=FONT, color="#777777",
+                    va="center")
+        if r > 0:
+            mid = y + h / 2
+            if any(b in prev_free and b not in prev_table for b in table):
+                _arrow(ax, (5.5, mid), (6.4, mid), gid="take", color="#e8590c")
+            if any(b in prev_table and b not in prev_free for b in free):
+                _arrow(ax, (6.4, mid), (5.5, mid), gid="give", color="#e8590c")
+        prev_free, prev_table = set(free), set(table)
+    ax.text(free_x, -0.5, "orange: arrived since the row above; arrow: blocks taken by the table (→) "
+            "or given back (←)", fontsize=FONT, color="#555555",
+            va="center")
+    return fig
