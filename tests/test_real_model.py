@@ -238,3 +238,22 @@ def test_bad_requests_fail_alone(real):
     assert chats[1].request_id in str(chats[1].error)
     assert token_ids(chats[:1]) == [real["refs"][0]]
     assert llm.manager.num_used_blocks == 0
+
+
+def test_tensor_parallelism_of_three_keeps_replies(real):
+    """SmolLM2 split over three processes (3 of its 9 query heads and 1 of its 3 KV heads
+    each) with chunked prefill, the system prompt cached, preemption and n-gram speculation
+    on: transformers' replies, token for token; seeded samples equal one process's."""
+    engine = dict(tokenizer=real["tokenizer"], block_size=16, num_gpu_blocks=6,
+                  enable_prefix_caching=True, max_num_batched_tokens=32, max_num_seqs=4,
+                  speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    sampled = [SamplingParams(temperature=0.7, max_tokens=8, seed=s) for s in range(3)]
+    one = LLM(real["model"], **engine)
+    alone = token_ids(one.generate(real["texts"][:3], sampled, use_tqdm=False))
+    with LLM(real["model"], tensor_parallel_size=3, **engine) as llm:
+        outs = llm.generate(real["texts"], GREEDY, use_tqdm=False)
+        assert token_ids(outs) == real["refs"]
+        assert llm.stats.preemptions > 0 and llm.stats.prefix_hits > 0
+        assert llm.scheduler.spec_stats.num_draft_tokens > 0
+        assert token_ids(llm.generate(real["texts"][:3], sampled, use_tqdm=False)) == alone
+        assert llm.runner.kv_caches[0][0].shape[2] == 1  # one KV head per rank

@@ -173,14 +173,16 @@ class TensorParallelExecutor:
     """
 
     def __init__(self, runner, args: ModelArgs, state: dict[str, Tensor], world: int,
-                 cache: tuple, timeout: float = DEFAULT_TIMEOUT):
+                 cache: tuple, timeout: float | None = None):
         if dist.is_initialized():
             raise RuntimeError("a tensor-parallel engine is already running in this process: "
                                "shut it down first (LLM.shutdown())")
+        timeout = timeout or DEFAULT_TIMEOUT
         self.runner, self.world, self.timeout, self.num_steps = runner, world, timeout, 0
         self.closed = True  # until every rank has joined
         model = runner.model
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        self.port = _free_port()
+        init_method = f"tcp://127.0.0.1:{self.port}"
         ctx = mp.get_context("spawn")
         self.progress = ctx.Array("q", world, lock=False)
         build = dict(args=args, state=state, kernels=model.kernels, dtype=model.dtype,
