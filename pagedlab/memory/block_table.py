@@ -60,6 +60,7 @@ class BlockTable:
         keys and values are written. All blocks are taken at once, so an :class:`OutOfBlocks`
         leaves the table as it was.
         """
+        # >>> copy_on_write
         grow, shared_tail = self._growth(len(token_ids), allocator)
         copy = None
         if grow > 0 or shared_tail:
@@ -71,6 +72,7 @@ class BlockTable:
             self.blocks += new
         self.token_ids += token_ids
         return copy
+        # <<< copy_on_write
 
     def fork(self, child_id: Hashable, allocator: BlockAllocator) -> BlockTable:
         """A table for ``child_id`` sharing every block with this one: no copy, one more user."""

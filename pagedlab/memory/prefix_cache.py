@@ -80,6 +80,7 @@ class PrefixCache:
 
         Read-only: the caller decides whether to take them (:meth:`acquire`).
         """
+        # >>> walk
         hits, parent = [], None
         for i in range(min(max_blocks, len(keys))):
             block = self._block_of.get(keys[i])
@@ -91,6 +92,7 @@ class PrefixCache:
             hits.append(block)
             parent = block
         return hits
+        # <<< walk
 
     def acquire(self, blocks: Sequence[int]) -> None:
         """Add a user to each matched block: share it if in use, take it back if parked."""
