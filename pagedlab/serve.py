@@ -530,6 +530,8 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--enable-prefix-caching", action="store_true")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="processes the model is split over by its heads (vLLM's name)")
     parser.add_argument("--speculative-config", type=json.loads, default=None,
                         help='JSON, as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     parser.add_argument("--api-key", default=os.environ.get("PAGEDLAB_API_KEY"),
@@ -555,7 +557,8 @@ def engine(args: argparse.Namespace) -> LLM:
                num_gpu_blocks=args.num_gpu_blocks, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens,
                max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
-               speculative_config=args.speculative_config)
+               speculative_config=args.speculative_config,
+               tensor_parallel_size=args.tensor_parallel_size)
 
 
 def main(argv=None) -> None:
@@ -571,6 +574,8 @@ def main(argv=None) -> None:
         Server(config, args.shutdown_timeout).run()
     except KeyboardInterrupt:  # Ctrl-C, re-raised once the server stopped (as uvicorn.run)
         pass
+    finally:
+        llm.shutdown()  # tensor parallelism: its worker processes end with the server
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 from _tiny import lose_device_at, tiny_over_smollm2_tokenizer
@@ -672,3 +673,58 @@ def test_a_failed_step_ends_each_reply_with_an_error_it_can_read(tiny):
         ok = client(url).completions.create(model=NAME, prompt="hello", **GREEDY)
         assert ok.usage.completion_tokens == 12
     assert llm.manager.num_used_blocks == 0
+
+
+@pytest.mark.slow
+def test_the_server_answers_at_tensor_parallelism_three_and_its_workers_end_with_it():
+    """``python -m pagedlab.serve --tensor-parallel-size 3``: SmolLM2 split over three
+    processes answers the openai client as one process does (greedy); on SIGTERM the server
+    exits cleanly and takes its two worker processes with it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    try:
+        smollm2()
+    except ModelNotInstalled as missing:
+        pytest.skip(str(missing))
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "PAGEDLAB_CPU_KVCACHE_SPACE": "0.1"}
+    proc = subprocess.Popen([sys.executable, "-m", "pagedlab.serve", "--port", str(port),
+                             "--max-num-seqs", "4", "--tensor-parallel-size", "3"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.5)
+        children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                                  text=True).stdout.split()
+        assert len(children) >= 2  # the two workers (and the spawn tracker)
+        (model,) = client(url).models.list().data
+        reply = client(url).chat.completions.create(model=model.id, messages=question,
+                                                    temperature=0, max_tokens=8)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) in (0, -signal.SIGTERM), proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    with LLM(smollm2(), max_num_seqs=4, num_gpu_blocks=64) as one:
+        alone = one.chat(question, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    assert reply.choices[0].message.content == alone[0].outputs[0].text
+    time.sleep(1)
+    for pid in children:  # every worker ended with the server (a zombie left to init is ended)
+        status = Path(f"/proc/{pid}/status")
+        assert not status.exists() or "\nState:\tZ" in status.read_text(), status.read_text()
