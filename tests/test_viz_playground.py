@@ -170,3 +170,63 @@ def test_the_scheduler_playground_steps_as_the_scheduler_does(mode):
     assert preempted  # the walk runs out of blocks at least once
     if last in play.scheduler.unfinished:  # a request id in use: refused, nothing changed
         assert not play.do("add", last, 4, 2) and f"refused: add {last}" in play.log[-1]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_speculation_playground_matches_the_manager_and_caches_no_proposal(seed):
+    """Random prompts, speculations, verifications and frees against a manager called
+    directly with the same tokens: the same block tables and prefix-cache contents after every
+    operation; a refusal (verify before speculate, too many accepted, the pool full) changes
+    nothing; and while proposals are unverified no block holding one is in the cache."""
+    from pagedlab.viz.playground import SpeculationPlayground
+
+    rng = random.Random(seed)
+    play = SpeculationPlayground(num_blocks=10, block_size=4)
+    mgr, fresh, proposed = KVCacheManager(10, 4, 0, True), 1000, {}
+    refused = 0
+    for _ in range(60):
+        seq = rng.choice("ABC")
+        op = rng.choice(["allocate", "speculate", "speculate", "verify", "verify", "free"])
+        arg = rng.randint(0, 6) if op == "verify" else rng.randint(1, 9)
+        args = (seq,) if op == "free" else (seq, arg)
+        before = (play.log[:], state(play.mgr))
+        ran = play.do(op, *args)
+        if not ran:
+            refused += 1
+            assert state(play.mgr) == before[1] and play.log[-1].startswith("refused")
+            continue
+        if op == "allocate":
+            mgr.allocate(seq, list(range(fresh, fresh + arg)))
+            fresh += arg
+        elif op == "speculate":
+            mgr.append(seq, list(range(fresh, fresh + 1 + arg)), num_speculative=arg)
+            fresh, proposed[seq] = fresh + 1 + arg, arg
+        elif op == "verify":
+            assert 0 <= arg <= proposed[seq]
+            mgr.truncate(seq, mgr.num_tokens(seq) - proposed.pop(seq) + arg)
+        else:
+            mgr.free(seq)
+            proposed.pop(seq, None)
+        mgr.commit()
+        assert {s: play.mgr.block_table(s) for s in play.mgr._running} == {
+            s: mgr.block_table(s) for s in mgr._running}
+        assert play.proposed == proposed
+        cache = play.mgr.prefix_cache
+        for s, k in proposed.items():  # a block holding a proposal is not in the cache
+            first = (play.mgr.num_tokens(s) - k) // 4
+            assert all(cache.tokens_of(b) is None for b in play.mgr.block_table(s)[first:])
+    assert refused > 0
+
+
+def test_verify_before_speculating_is_refused_with_the_reason():
+    from pagedlab.viz.playground import SpeculationPlayground
+
+    play = SpeculationPlayground()
+    assert play.do("allocate", "A", 6)
+    assert not play.do("verify", "A", 1)
+    assert "no proposals to verify" in play.log[-1]
+    assert play.do("speculate", "A", 4)
+    assert not play.do("verify", "A", 5) and "must be in [0, 4]" in play.log[-1]
+    assert len(play.mgr.block_table("A")) == 3  # 6 + 1 + 4 tokens in blocks of 4
+    assert play.do("verify", "A", 1) and play.mgr.num_tokens("A") == 6 + 1 + 1
+    assert len(play.mgr.block_table("A")) == 2  # the third block, emptied, went back

@@ -1,5 +1,5 @@
-"""Playgrounds: buttons that drive a live :class:`KVCacheManager` (chapters 4, 5) or a live
-:class:`~pagedlab.engine.Scheduler` (chapter 6).
+"""Playgrounds: buttons that drive a live :class:`KVCacheManager` (chapters 4, 5 and, speculating,
+12) or a live :class:`~pagedlab.engine.Scheduler` (chapter 6).
 
 In :class:`KVPlayground` each button calls the manager itself (allocate, append, fork, free, preempt by swapping out,
 resume); the picture is the manager's state after it, replayed from its events and drawn by
@@ -7,7 +7,10 @@ resume); the picture is the manager's state after it, replayed from its events a
 and cached-free blocks and each copy-on-write. An operation the manager refuses shows the
 manager's own message and changes nothing. In :class:`SchedulerPlayground` a reader queues
 requests and steps the engine's own scheduler, with placeholder tokens for a model, and sees
-each step's batch, its token budget, its preemption victim and the blocks that moved.
+each step's batch, its token budget, its preemption victim and the blocks that moved. In
+:class:`SpeculationPlayground` a reader reserves slots for a decode's proposals and verifies
+them: the rejected ones' slots go back, and no block holding an unverified proposal is ever
+cached.
 
 Built on ipywidgets 8's core widgets (buttons, text boxes, HTML), which JupyterLab, Notebook 7,
 VS Code and Colab all render with no extension to install, and which pagedlab already depends
@@ -65,8 +68,12 @@ class Live:
             return False
         self._shown_from = before
         self.mgr.commit()  # the work "ran": its blocks may be hit by the next prompt
-        self.mgr.check_invariants()
+        self.check()
         return True
+
+    def check(self) -> None:
+        """The manager's invariants, after every operation that ran."""
+        self.mgr.check_invariants()
 
     def snapshots(self) -> list[Snapshot]:
         return history(self.mgr)
@@ -196,6 +203,80 @@ class KVPlayground(Live):
             ("free", "give the blocks back", "free", [seq]),
             ("preempt (swap out)", "move the blocks to CPU memory", "preempt", [seq]),
             ("resume (swap in)", "bring them back to GPU blocks", "resume", [seq])])
+
+
+class SpeculationPlayground(Live):
+    """Speculative decoding on a live manager with prefix caching (chapter 12): a sequence's
+    prompt is computed and its first output token is pending; *speculate* gives the pending
+    token and ``k`` proposals slots (the proposals unverified: no block holding one is
+    cached); *verify* keeps the pending token and the first ``accepted`` proposals and gives
+    the other slots back (a block left empty too); the target's own token is pending then."""
+
+    OPERATIONS = ("allocate", "speculate", "verify", "free")
+
+    def __init__(self, num_blocks: int = 12, block_size: int = 4):
+        self.config = dict(num_blocks=num_blocks, block_size=block_size)
+        self.reset()
+
+    def reset(self) -> None:
+        """An empty pool with prefix caching, no proposals, an empty log."""
+        self.mgr = KVCacheManager(self.config["num_blocks"], self.config["block_size"], 0, True,
+                                  record_events=True)
+        self.proposed: dict[Hashable, int] = {}  # unverified proposals, by sequence
+        super().reset()
+
+    def check(self) -> None:
+        """The invariants hold between steps: with proposals unverified, a full block holding
+        one has no key yet, by design (the engine checks after a step's verification)."""
+        if not self.proposed:
+            super().check()
+
+    def allocate(self, seq_id: Hashable, num_tokens: int) -> str:
+        self.mgr.allocate(seq_id, self._tokens(num_tokens))
+        return f"allocate {seq_id}: a prompt of {num_tokens} tokens; its first output is pending"
+
+    def speculate(self, seq_id: Hashable, k: int) -> str:
+        if seq_id in self.proposed:
+            raise ValueError(f"sequence {seq_id!r} holds {self.proposed[seq_id]} proposals: "
+                             "verify them first")
+        if k < 1:
+            raise ValueError(f"k={k}: speculate at least one proposal")
+        self.mgr.append(seq_id, self._tokens(1 + k), num_speculative=k)
+        self.proposed[seq_id] = k
+        return (f"speculate {seq_id}: the pending token and {k} proposals get slots; "
+                "none of the proposals' blocks is cached")
+
+    def verify(self, seq_id: Hashable, accepted: int) -> str:
+        k = self.proposed.get(seq_id)
+        if k is None:
+            raise ValueError(f"sequence {seq_id!r} has no proposals to verify")
+        if not 0 <= accepted <= k:
+            raise ValueError(f"accepted={accepted} must be in [0, {k}], the proposals made")
+        self.mgr.truncate(seq_id, self.mgr.num_tokens(seq_id) - k + accepted)
+        del self.proposed[seq_id]
+        return (f"verify {seq_id}: {accepted} of {k} accepted, {k - accepted} slots given back;"
+                " the target's own token is pending")
+
+    def free(self, seq_id: Hashable) -> str:
+        self.mgr.free(seq_id)
+        self.proposed.pop(seq_id, None)
+        return f"free {seq_id}"
+
+    def widget(self):
+        """The live playground: a prompt, proposals and verification over this manager."""
+        import ipywidgets as w
+
+        seq = w.Text(value="A", description="sequence", layout=w.Layout(width="14em"))
+        size = w.BoundedIntText(value=6, min=1, max=256, description="tokens / k",
+                                layout=w.Layout(width="14em"))
+        accepted = w.BoundedIntText(value=1, min=0, max=64, description="accepted",
+                                    layout=w.Layout(width="12em"))
+        return self.panel([seq, size, accepted], [
+            ("allocate", "a prompt of `tokens` tokens", "allocate", [seq, size]),
+            ("speculate", "the pending token and k proposals", "speculate", [seq, size]),
+            ("verify", "keep `accepted` proposals, give the rest back", "verify",
+             [seq, accepted]),
+            ("free", "give the blocks back", "free", [seq])])
 
 
 class SchedulerPlayground(Live):
