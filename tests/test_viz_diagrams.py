@@ -283,3 +283,50 @@ def test_free_list_moves_draws_each_moment_and_the_blocks_that_moved():
     # one hand-over to the table at prefill and at the overflow, one back at completion
     assert len(D.artists(fig, "take")) == 2 and len(D.artists(fig, "give")) == 1
     assert [t for t in texts(fig) if t in [m[0] for m in moments]] == [m[0] for m in moments]
+
+
+def _step(number, prefills=(), decodes=(), preempted=(), swapped_in=(), running=(), waiting=(),
+          swapped=(), used_blocks=0):
+    return dict(step=number, prefills=list(prefills), decodes=list(decodes),
+                preempted=list(preempted), swapped_in=list(swapped_in), running=list(running),
+                waiting=list(waiting), swapped=list(swapped), used_blocks=used_blocks)
+
+
+def test_scheduler_steps_draws_each_batch_to_scale_and_each_queue_by_id():
+    """A bar segment per prefill (its tokens wide) and per decode (one token wide) against
+    the budget; every queued request once, with its id; empty seats; victims framed."""
+    from pagedlab.viz import style
+
+    budget, seats = 64, 4
+    steps = [
+        _step(5, prefills=[(5, 11)], decodes=[1, 2, 4], running=[1, 2, 4, 5],
+              waiting=[6, 7, 8, 9, 10, 11], used_blocks=19),
+        _step(6, decodes=[1, 2, 4], preempted=[(5, "swap")], running=[1, 2, 4],
+              waiting=[6, 7, 8, 9, 10, 11], swapped=[5], used_blocks=18),
+        _step(8, prefills=[(6, 11)], decodes=[1, 4, 5], swapped_in=[5], running=[1, 4, 5, 6],
+              waiting=[7, 8, 9, 10, 11], used_blocks=18),
+        _step(9, prefills=[(7, 40), (8, 9)], decodes=[4], preempted=[(6, "recompute")],
+              running=[4, 7, 8], waiting=[6, 9], used_blocks=20),
+    ]
+    fig = D.scheduler_steps(steps, budget, seats, num_blocks=20)
+    bar = D.artists(fig, "budget")
+    assert len(bar) == len(steps)
+    unit = bar[0].get_width() / budget  # the width of one token
+    prefills = D.artists(fig, "prefill")
+    assert [round(r.get_width() / unit) for r in prefills] == [
+        k for s in steps for _, k in s["prefills"]]
+    decodes = D.artists(fig, "decode")
+    assert len(decodes) == sum(len(s["decodes"]) for s in steps)
+    assert all(r.get_width() == pytest.approx(unit) for r in decodes)
+    for queue in ("running", "waiting", "swapped"):
+        boxes = D.artists(fig, queue)
+        assert len(boxes) == sum(len(s[queue]) for s in steps), queue
+    labels = [t.get_text() for t in fig.findobj(matplotlib.text.Text)]
+    for s in steps:
+        assert f"step {s['step']}" in labels and f"{s['used_blocks']}/20 blocks" in labels
+        for queue in ("running", "waiting", "swapped"):
+            assert all(str(rid) in labels for rid in s[queue])
+    assert len(D.artists(fig, "seat")) == sum(seats - len(s["running"]) for s in steps)
+    assert len(D.artists(fig, "victim")) == sum(len(s["preempted"]) for s in steps)
+    assert style.overlapping_text(fig) == []
+    assert fig.get_size_inches()[0] == pytest.approx(7)

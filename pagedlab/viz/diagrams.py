@@ -550,4 +550,91 @@ def free_list_moves(moments: Sequence[tuple[str, Sequence[int], Sequence[int]]],
     ax.text(free_x, -0.5, "orange: arrived since the row above; arrow: blocks taken by the table (→) "
             "or given back (←)", fontsize=FONT, color="#555555",
             va="center")
+
+
+# --- Chapter 6: scheduler steps -------------------------------------------------------------
+
+_STEP_FILL = {"decode": "#3b75af", "prefill": "#e8590c"}  # the batch's segments
+_QUEUE_FILL = {"running": "#d0e2f3", "admitted": "#fde0cf", "swapped_in": "#cfe8cf",
+               "waiting": "#ffffff", "swapped": "#e4e4e4"}
+_QUEUE_X = {"running": (4.2, 6.1), "waiting": (6.35, 8.6), "swapped": (8.85, 10.0)}
+
+
+def scheduler_steps(steps: Sequence[Mapping], budget: int, seats: int,
+                    num_blocks: int) -> Figure:
+    """Scheduler steps, one row each: the batch against the token budget, then the queues
+    once the step was formed, with request ids.
+
+    Each step is a mapping with ``step`` (its number), ``prefills`` [(request, tokens)],
+    ``decodes`` [request], ``preempted`` [(request, mode)], ``swapped_in`` [request], the
+    queues ``running``, ``waiting`` and ``swapped`` [request] and ``used_blocks``. The batch
+    is a bar to scale, ``budget`` tokens wide: a segment per prefill and per decode. The
+    running queue fills ``seats`` seats (empty ones dashed), coloured by what each request
+    does in the step; a request preempted in the step has a red frame in its new queue.
+    """
+    n = len(steps)
+    fig, ax = _canvas(0.75 + 0.72 * n, (0, 10), (-0.6, n + 0.25))
+    ax.set_position([0.01, 0.01, 0.98, 0.98])  # the whole figure, with or without a layout
+    bar_x, bar_w = 1.35, 2.6
+    for x, text in ((0.0, "step"), (bar_x, f"budget: {budget} tokens"),
+                    (_QUEUE_X["running"][0], f"running ({seats} seats)"),
+                    (_QUEUE_X["waiting"][0], "waiting"), (_QUEUE_X["swapped"][0], "swapped")):
+        ax.text(x, n - 0.05, text, fontsize=FONT, weight="bold", va="bottom")
+    for r, s in enumerate(steps):
+        y = n - 1 - r  # the row's bottom; boxes sit at y + 0.3 .. y + 0.75
+        ax.text(0.0, y + 0.62, f"step {s['step']}", fontsize=FONT + 1, va="center")
+        ax.text(0.0, y + 0.25, f"{s['used_blocks']}/{num_blocks} blocks", fontsize=FONT,
+                va="center", color="#555555")
+        frame = Rectangle((bar_x, y + 0.35), bar_w, 0.4, facecolor="#f4f4f4",
+                          edgecolor="#999999", lw=0.8, gid="budget")
+        ax.add_patch(frame)
+        x = bar_x
+        batch = [("prefill", rid, k) for rid, k in s["prefills"]]
+        batch += [("decode", rid, 1) for rid in s["decodes"]]
+        for kind, rid, k in batch:
+            w = bar_w * k / budget
+            ax.add_patch(Rectangle((x, y + 0.35), w, 0.4, facecolor=_STEP_FILL[kind],
+                                   edgecolor="white", lw=0.3, gid=kind))
+            if kind == "prefill" and w >= 0.3:
+                ax.text(x + w / 2, y + 0.55, str(rid), ha="center", va="center",
+                        fontsize=FONT, color="white")
+            x += w
+        used = sum(k for _, _, k in batch)
+        plural = "" if len(s["decodes"]) == 1 else "s"
+        ax.text(bar_x, y + 0.12, f"{len(s['decodes'])} decode{plural} + "
+                f"{sum(k for _, k in s['prefills'])} prefill = {used} tokens",
+                fontsize=FONT, va="center", color="#555555")
+        admitted = {rid for rid, _ in s["prefills"]}
+        back = set(s["swapped_in"])
+        victims = {rid for rid, _ in s["preempted"]}
+        for queue in ("running", "waiting", "swapped"):
+            ids = list(s[queue])
+            x0, x1 = _QUEUE_X[queue]
+            slots = max(len(ids), seats if queue == "running" else 1)
+            w = min(0.45, (x1 - x0) / slots)
+            for i in range(slots):
+                bx = x0 + i * w
+                if i >= len(ids):  # an empty seat
+                    if queue == "running":
+                        _box(ax, bx, y + 0.35, w * 0.88, 0.4, gid="seat", fill="none",
+                             edge="#aaaaaa", ls="--")
+                    continue
+                rid = ids[i]
+                fill = _QUEUE_FILL["admitted" if rid in admitted and queue == "running" else
+                                   "swapped_in" if rid in back else queue]
+                _box(ax, bx, y + 0.35, w * 0.88, 0.4, str(rid), gid=queue, fill=fill)
+                if rid in victims:
+                    ax.add_patch(Rectangle((bx - 0.03, y + 0.32), w * 0.88 + 0.06, 0.46,
+                                           facecolor="none", edgecolor="#d62728", lw=2,
+                                           gid="victim"))
+    from matplotlib.patches import Patch
+
+    handles = [Patch(facecolor=_STEP_FILL["prefill"], label="prefill tokens"),
+               Patch(facecolor=_STEP_FILL["decode"], label="decode tokens"),
+               Patch(facecolor=_QUEUE_FILL["admitted"], edgecolor="#444444", label="admitted"),
+               Patch(facecolor=_QUEUE_FILL["swapped_in"], edgecolor="#444444",
+                     label="swapped in"),
+               Patch(facecolor="none", edgecolor="#d62728", lw=2, label="preempted")]
+    ax.legend(handles=handles, loc="lower center", ncols=5, fontsize=FONT, frameon=False,
+              bbox_to_anchor=(0.5, 0.0), handlelength=1.2, columnspacing=1.0)
     return fig
