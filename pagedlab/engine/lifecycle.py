@@ -3,7 +3,8 @@
 :class:`RequestLifecycle` holds the queues and does the bookkeeping every policy shares: a
 request is checked and queued (:meth:`~RequestLifecycle.add_request`), each step's sampled
 tokens are applied to its sequences (:meth:`~RequestLifecycle.update`: fork, prune, roll
-back rejected proposals, stop, free), and it ends one way (:meth:`~RequestLifecycle._end`), finished, aborted or failed.
+back rejected proposals, stop, free), and it ends one way (:meth:`~RequestLifecycle._end`),
+finished, aborted or failed.
 :class:`~pagedlab.engine.scheduler.Scheduler` adds the policy: which groups run each step.
 """
 

@@ -124,7 +124,8 @@ def portable(step: Step) -> Step:
         seq = Sequence(c.seq.seq_id, c.seq.token_ids[:c.context_len - len(c.draft)])
         return Chunk(seq, c.start, c.num_tokens, c.block_table, c.slots, c.is_sampled, c.draft)
 
-    return Step(prefills=[chunk(c) for c in step.prefills], decodes=[chunk(c) for c in step.decodes],
+    return Step(prefills=[chunk(c) for c in step.prefills],
+                decodes=[chunk(c) for c in step.decodes],
                 swap_out=step.swap_out, swap_in=step.swap_in, copies=step.copies,
                 num_draft_tokens=step.num_draft_tokens)
 

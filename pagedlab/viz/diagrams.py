@@ -1,5 +1,4 @@
-"""Explanatory diagrams the chapters draw from their own data (chapters 5 to 7, 11 and the
-chunked-prefill chapter).
+"""Explanatory diagrams the chapters draw from their own data (chapters 3 to 7, 9 and 11).
 
 Each function takes what the chapter computed (a cache tensor, a block table, log-sum-exps,
 prompts, a run's transition counts, model presets) and returns a matplotlib figure about 7
@@ -23,7 +22,8 @@ from pagedlab.memory.prefix_cache import block_key
 
 __all__ = [
     "artists", "cache_layout", "decode_grid", "split_ranges", "split_merge", "hash_chain",
-    "state_machine", "kv_heads", "traffic_bars", "varlen_tiles", "chunk_mask",
+    "state_machine", "kv_heads", "traffic_bars", "varlen_tiles", "chunk_mask", "online_sweep",
+    "free_list_moves", "scheduler_steps",
 ]
 
 WIDTH = 7.0  # inches: the page width
@@ -499,7 +499,6 @@ def online_sweep(logits, block_sizes: Sequence[int] = (2,)) -> Figure:
     return fig
 
 
-__all__ += ["online_sweep"]
 
 
 # --- Chapter 4: a request's blocks between the free list and its block table ---------------
@@ -547,9 +546,9 @@ def free_list_moves(moments: Sequence[tuple[str, Sequence[int], Sequence[int]]],
             if any(b in prev_table and b not in prev_free for b in free):
                 _arrow(ax, (6.4, mid), (5.5, mid), gid="give", color="#e8590c")
         prev_free, prev_table = set(free), set(table)
-    ax.text(free_x, -0.5, "orange: arrived since the row above; arrow: blocks taken by the table (→) "
-            "or given back (←)", fontsize=FONT, color="#555555",
-            va="center")
+    ax.text(free_x, -0.5, "orange: arrived since the row above; arrow: blocks taken by the "
+            "table (→) or given back (←)", fontsize=FONT, color="#555555", va="center")
+    return fig
 
 
 # --- Chapter 6: scheduler steps -------------------------------------------------------------
