@@ -270,3 +270,120 @@ def test_smollm2_answers_the_same_without_triton():
     assert (without["kernels"], triton["kernels"]) == ("reference", "triton")
     assert without["tokens"] == triton["tokens"]
     assert without["tokens"][0] != without["tokens"][1] and without["prefix_hits"] > 0
+
+
+# --- the book's fallback: the kernels' references, and their modules readable -----------------
+
+
+def small_outputs(names=("paged_attention", "paged_attention_two_pass", "paged_attention_fp8",
+                         "paged_attention_varlen", "mla_attention")) -> dict:
+    """What ``kernel_or_reference`` gives for each of ``names`` on a small seeded input, with
+    the launch-only arguments the chapters pass (``num_splits``, ``logits``): the outputs as
+    lists, and where each function was defined."""
+    import torch
+
+    from pagedlab.kernels import fp8_reference, kernel_or_reference, mla_reference
+    from pagedlab.kernels.inputs import random_paged_inputs, random_varlen_inputs
+
+    x = random_paged_inputs([5, 16, 37], num_heads=4, num_kv_heads=2, head_dim=16,
+                            block_size=8, seed=3)
+    xv = random_varlen_inputs([5, 9], [3, 1], num_heads=4, num_kv_heads=2, head_dim=16,
+                              block_size=8, seed=4)
+    xm = mla_reference.random_mla_inputs([5, 11], num_heads=16, kv_lora_rank=32, rope_dim=16,
+                                         nope_dim=16, v_head_dim=16, block_size=8, seed=5)
+    calls = {
+        "paged_attention": lambda f: f(*x.args(), num_splits=2),
+        "paged_attention_two_pass": lambda f: f(*x.args(), logits="scratch"),
+        "paged_attention_fp8": lambda f: f(*fp8_reference.quantize_inputs(x)),
+        "paged_attention_varlen": lambda f: f(*xv.args()),
+        "mla_attention": lambda f: f(*xm.args(), scale=xm.scale),
+    }
+    out = {}
+    for name in names:
+        function = kernel_or_reference(name)
+        result = calls[name](function).float()
+        out[name] = dict(module=getattr(function, "__wrapped__", function).__module__,
+                         values=result.tolist(), finite=bool(torch.isfinite(result).all()))
+    return out
+
+
+def test_kernel_or_reference_gives_the_references_without_triton():
+    """Blocked, each name is its torch reference (never a function of a Triton module), takes
+    the kernel's launch-only arguments, and says once that it ran instead."""
+    done = python("""
+        import json, sys, test_without_triton as t
+        out = t.small_outputs()
+        out["sys"] = sys.modules["triton"] is None
+        print(json.dumps(out))
+    """, block=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert report.pop("sys") is True
+    import pagedlab.kernels
+
+    for name, got in report.items():
+        assert got["module"].endswith("_reference") or got["module"] == \
+            "pagedlab.kernels.reference", (name, got["module"])
+        assert got["module"].removeprefix("pagedlab.kernels.") not in \
+            pagedlab.kernels.TRITON_MODULES and got["finite"], name
+        assert done.stdout.count(f"ran in place of the kernel {name}.") == 1, done.stdout
+
+
+@needs_triton
+def test_kernel_or_reference_gives_the_kernels_output_with_and_without_triton():
+    """With Triton the kernels themselves (their own modules); blocked, the references; on the
+    same small inputs the two agree."""
+    code = "import json, test_without_triton as t; print(json.dumps(t.small_outputs()))"
+    triton = python_json(code, block=False)
+    without = python_json(code, block=True)
+    import torch
+
+    for name in triton:
+        assert triton[name]["module"].removeprefix("pagedlab.kernels.") in \
+            ("decode", "two_pass", "fp8", "varlen", "mla"), triton[name]["module"]
+        assert without[name]["module"] != triton[name]["module"]
+        a, b = (torch.tensor(side[name]["values"]) for side in (triton, without))
+        assert a.shape == b.shape and torch.allclose(a, b, atol=2e-2, rtol=0), name
+
+
+def test_the_kernel_modules_read_the_same_without_triton():
+    """``pagedlab.kernels.decode`` and its siblings, blocked: their constants and plain
+    functions as with Triton, every kernel's source readable (``.fn``), a launch an
+    ImportError that names Triton, and ``import pagedlab.kernels.decode`` still failing."""
+    report = python_json("""
+        import importlib, inspect, json
+        from pagedlab import kernels
+        from pagedlab.book import show_source
+        out = {"modules": sorted(kernels.TRITON_MODULES)}
+        d = kernels.decode
+        out["constants"] = [d.TILE_TOKENS, d.MIN_DOT, d.MAX_SPLITS, d.MIN_TOKENS_PER_SPLIT,
+                            kernels.mla.HEADS_PER_PROGRAM,
+                            d.choose_num_splits(1, 8, 32768, 132),
+                            kernels.varlen.choose_query_tile(8, 2, 4)]
+        out["sources"] = {m: [n for n, v in vars(getattr(kernels, m)).items()
+                              if inspect.isfunction(getattr(v, "fn", None))
+                              and "@triton.jit" in str(show_source(v))]
+                          for m in sorted(kernels.TRITON_MODULES)}
+        try:
+            d._paged_attention_kernel[(1,)]()
+        except ImportError as e:
+            out["launch"] = str(e)
+        try:
+            importlib.import_module("pagedlab.kernels.decode")
+        except ImportError as e:
+            out["import"] = str(e)
+        print(json.dumps(out))
+    """, block=True)
+    from pagedlab import kernels
+
+    assert {f"pagedlab.kernels.{m}" for m in report["modules"]} == TRITON_ONLY
+    if _installed("triton") and kernels.has_triton():
+        from pagedlab.kernels import decode, mla, varlen
+
+        assert report["constants"] == [
+            decode.TILE_TOKENS, decode.MIN_DOT, decode.MAX_SPLITS, decode.MIN_TOKENS_PER_SPLIT,
+            mla.HEADS_PER_PROGRAM, decode.choose_num_splits(1, 8, 32768, 132),
+            varlen.choose_query_tile(8, 2, 4)]
+    assert "_paged_attention_kernel" in report["sources"]["decode"]
+    assert all(report["sources"][m] for m in report["sources"]), report["sources"]
+    assert "needs Triton" in report["launch"] and "triton" in report["import"]

@@ -22,7 +22,7 @@ import numpy as np
 from torch import Tensor
 
 from pagedlab._arith import cdiv
-from pagedlab.device import INTERPRET
+from pagedlab.device import INTERPRET, has_triton
 from pagedlab.dtypes import dtype_bytes
 
 __all__ = [
@@ -130,6 +130,8 @@ def mla_traffic(
 def _interpreter_hook():
     """The interpreter's builder class if its masked load and store can be wrapped, else a
     string saying why not (no interpreter, or a Triton whose interpreter changed)."""
+    if not has_triton():
+        return "Triton cannot be imported, so no kernel runs for its loads to be counted"
     if not INTERPRET:
         return "kernels are compiled for the GPU here, so no Python code sees their loads"
     try:
