@@ -115,6 +115,8 @@ ROUNDING = {
     "ch08_engine": {"beam_err", "logprob_err", "mixed_max_err", "ex5_gap", "ex5_l1", "ex5_l2",
                     "ex6_best_cum", "ex6_best_tf", "ex6_tf_worst"},
     "ch09_chunked_prefill": {"spec_vs_sdpa", "varlen_vs_spec"},
+    # exercise 4's split-KV merge against the fp8 specification: the spec's fp16 rounding
+    "ch11_after_pagedattention": {"ex4_after", "ex4_inside"},
 }
 # Compared by their words alone, signs aside: values read off the wall clock (a request's TTFT
 # as vLLM's metrics define it, a live server's latencies and what was fitted to them), and
