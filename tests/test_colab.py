@@ -126,9 +126,10 @@ ROUNDING = {
 BY_WORDS = {
     "ch08_engine": {"reference_s", "triton_s", "tpot_ms", "ttft_ms"},
     "ch10_reproducing_the_paper": {"val_step_bias"},
-    "ch13_serving_online": {"capacity", "e2e_ratio", "p99_128", "p99_2048", "peak_kv",
-                            "peak_running", "rate", "run_s", "tpot_ratio", "ttft50_128",
-                            "ttft50_2048", "ttft_ratio"},
+    "ch13_serving_online": {"capacity", "e2e_ratio", "ex2_good", "ex2_goodput", "ex2_rate",
+                            "ex2_slow_tpot", "ex2_slow_ttft", "ex2_times", "p99_128",
+                            "p99_2048", "peak_kv", "peak_running", "rate", "run_s", "tpot_ratio",
+                            "ttft50_128", "ttft50_2048", "ttft_ratio"},
 }
 # Not compared: the machine's load average; a price the prose says the profile hardly
 # determines (its sign can change from run to run); how ch10's fit splits a step's price
