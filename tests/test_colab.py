@@ -114,6 +114,8 @@ ROUNDING = {
     "ch08_engine": {"beam_err", "logprob_err", "mixed_max_err", "ex5_gap", "ex5_l1", "ex5_l2",
                     "ex6_best_cum", "ex6_best_tf", "ex6_tf_worst"},
     "ch09_chunked_prefill": {"spec_vs_sdpa", "varlen_vs_spec"},
+    # exercise 4's split-KV merge against the fp8 specification: the spec's fp16 rounding
+    "ch11_after_pagedattention": {"ex4_after", "ex4_inside"},
 }
 # Compared by their words alone, signs aside: values read off the wall clock (a request's TTFT
 # as vLLM's metrics define it, a live server's latencies and what was fitted to them), and
@@ -123,9 +125,10 @@ ROUNDING = {
 BY_WORDS = {
     "ch08_engine": {"tpot_ms", "triton_vs_reference", "ttft_ms"},
     "ch10_reproducing_the_paper": {"val_step_bias"},
-    "ch13_serving_online": {"capacity", "e2e_ratio", "p99_128", "p99_2048", "peak_kv",
-                            "peak_running", "rate", "run_s", "tpot_ratio", "ttft50_128",
-                            "ttft50_2048", "ttft_ratio"},
+    "ch13_serving_online": {"capacity", "e2e_ratio", "ex2_good", "ex2_goodput", "ex2_rate",
+                            "ex2_slow_tpot", "ex2_slow_ttft", "ex2_times", "p99_128",
+                            "p99_2048", "peak_kv", "peak_running", "rate", "run_s", "tpot_ratio",
+                            "ttft50_128", "ttft50_2048", "ttft_ratio"},
 }
 # Not compared: the machine's load average; a price the prose says the profile hardly
 # determines (its sign can change from run to run); how ch10's fit splits a step's price
