@@ -9,7 +9,7 @@ import pytest
 from _tiny import hf_generate, hf_greedy, kernel_runs, random_prompts, tiny_hf
 
 from pagedlab import LLM, BeamSearchParams, SamplingParams
-from pagedlab.device import HAS_CUDA
+from pagedlab.device import HAS_CUDA, has_triton
 from pagedlab.engine import CacheTooSmall, InvalidPrompt, Scheduler, SchedulerConfig
 from pagedlab.engine.step import Placeholders, drive
 from pagedlab.memory import InvariantError, KVCacheManager
@@ -284,6 +284,8 @@ def test_errors_name_the_request_and_leak_nothing(qwen):
         LLM(model, num_gpu_blocks=4, max_num_seqs=16, max_num_batched_tokens=8)
 
 
+@pytest.mark.skipif(not has_triton(), reason="launches the Triton kernels (none here: macOS, "
+                    "Windows, or PAGEDLAB_BLOCK_TRITON=1)")
 def test_triton_kernels_serve_the_model():
     """Through the interpreter on a CPU, compiled on a GPU: reshape_and_cache, paged_attention,
     copy_blocks (two samples per prompt) and swap_blocks (a preemption), from pagedlab.kernels."""
