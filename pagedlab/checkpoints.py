@@ -59,10 +59,13 @@ def download_to_cache(url: str, path: Path, sha256: str | None = None,
                       timeout: float = 30) -> Path:
     """Fetch ``url`` into ``path`` in the cache, through a ``.partial`` file renamed when
     complete: a download killed halfway never leaves a file a later run would trust. Raises
-    OSError when ``url`` cannot be read, ValueError when the bytes are not ``sha256``'s."""
+    OSError when ``url`` cannot be read (at once with ``$PAGEDLAB_OFFLINE`` set: a build that
+    must not reach the network), ValueError when the bytes are not ``sha256``'s."""
     import hashlib
     import urllib.request
 
+    if os.environ.get("PAGEDLAB_OFFLINE"):
+        raise OSError(f"PAGEDLAB_OFFLINE is set: {url} not fetched")
     with urllib.request.urlopen(url, timeout=timeout) as response:
         data = response.read()
     if sha256 is not None and (got := hashlib.sha256(data).hexdigest()) != sha256:

@@ -8,6 +8,7 @@ import pytest
 from pagedlab.sim.traces import (
     DATASETS,
     Request,
+    TraceNotFound,
     clip_to_context,
     load_trace,
     poisson_arrivals,
@@ -195,7 +196,8 @@ def test_trace_path_downloads_a_published_trace_once_and_checks_it(published, tm
     (published / "mine_v1.csv").unlink()  # offline now: the cached copy serves
     assert trace_path("mine") == path
     path.write_text(GOOD + "9.0,1,1\n")  # a damaged cached copy is never read
-    assert trace_path("mine") is None
+    with pytest.raises(TraceNotFound):
+        trace_path("mine")
 
 
 def test_trace_path_rejects_a_download_that_is_not_the_published_file(published):
@@ -204,7 +206,28 @@ def test_trace_path_rejects_a_download_that_is_not_the_published_file(published)
         trace_path("mine")
 
 
-def test_trace_path_offline_says_why_and_gives_none(published, capsys):
+def test_trace_path_offline_says_how_to_get_the_trace(published, monkeypatch):
+    """No stand-in data: a chapter that describes a trace stops, saying where to put it."""
     (published / "mine_v1.csv").unlink()
-    assert trace_path("mine") is None
-    assert "mine: not in ../shared/traces and not downloadable from" in capsys.readouterr().out
+    with pytest.raises(TraceNotFound, match=r"mine: not in ../shared/traces .* not downloadable "
+                                            r"from .*mine_v1.csv.* into ../shared/traces as "
+                                            r"mine.csv"):
+        trace_path("mine")
+    (published / "mine_v1.csv").write_text(GOOD)
+    monkeypatch.setenv("PAGEDLAB_OFFLINE", "1")  # a build kept off the network fails at once
+    with pytest.raises(TraceNotFound, match="PAGEDLAB_OFFLINE is set"):
+        trace_path("mine")
+    with pytest.raises(TraceNotFound, match="no trace 'theirs'"):
+        trace_path("theirs")
+
+
+def test_no_chapter_runs_on_stand_in_traces():
+    """Every chapter that reads a trace reads it through trace_path, with no fallback branch
+    (the reader review's high defect: '(trace not found)x' in chapter 10's prose)."""
+    from pathlib import Path
+
+    for chapter in sorted((Path(__file__).parents[1] / "book").glob("ch*.md")):
+        text = chapter.read_text()
+        assert "trace not found" not in text, chapter.name
+        for line in text.splitlines():
+            assert not ("trace_path(" in line and "is None" in line), (chapter.name, line)

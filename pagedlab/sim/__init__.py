@@ -30,6 +30,7 @@ from pagedlab.sim.traces import (
     DATASETS,
     LengthStats,
     Request,
+    TraceNotFound,
     clip_to_context,
     load_trace,
     shared_trace_path,
@@ -39,7 +40,7 @@ from pagedlab.sim.traces import (
 
 __all__ = [
     "DATASETS", "SYSTEMS", "SYSTEM_NAMES", "CostModel", "KVMemory",
-    "LengthStats", "PagedConfig", "PagedKV", "Request", "SimExecutor", "SimResult",
+    "LengthStats", "PagedConfig", "PagedKV", "Request", "SimExecutor", "SimResult", "TraceNotFound",
     "clip_to_context", "knee_rate", "knee_rates", "load_trace", "make_memory",
     "shared_trace_path", "simulate", "simulate_paged", "simulate_system", "sweep",
     "synthetic_requests", "trace_path", "with_rate",

@@ -239,7 +239,7 @@ def shared_trace_path(name: str) -> Path | None:
     The folder is ``$PAGEDLAB_TRACES`` if set, else ``shared/traces`` beside the repository
     that the command runs in: ``../shared/traces`` from its root (the tests), or
     ``../../shared/traces`` from ``book/`` (the chapters). The traces are not part of the
-    project: chapters fall back to synthetic requests and tests skip when this returns None.
+    project: :func:`trace_path` downloads them where they are absent, and tests skip.
     """
     folder = os.environ.get("PAGEDLAB_TRACES")
     folders = [Path(folder)] if folder else [Path.cwd().parent / "shared" / "traces",
@@ -260,17 +260,24 @@ PUBLISHED_URL = ("https://raw.githubusercontent.com/microsoft/vidur/"
                  "7d47513363ec447a741ac5e47241580b47724fbf/data/processed_traces")
 
 
-def trace_path(name: str) -> Path | None:
+class TraceNotFound(FileNotFoundError):
+    """A trace that is neither in the shared folder nor downloadable; says how to get it."""
+
+
+def trace_path(name: str) -> Path:
     """``<name>.csv`` from the shared traces if they are there, else a copy of the published
     file, downloaded once into ``$PAGEDLAB_CACHE/traces`` (``~/.cache/pagedlab``) and checked
-    against its SHA-256; None, saying why, when neither can be had (offline), and the chapter
-    falls back to synthetic requests."""
+    against its SHA-256. :class:`TraceNotFound`, saying how to get it, when neither can be had
+    (offline): a chapter whose prose describes a real trace never runs on anything else."""
     import hashlib
 
     from pagedlab.checkpoints import cache_dir, download_to_cache
 
-    if (path := shared_trace_path(name)) is not None or name not in PUBLISHED_TRACES:
+    if (path := shared_trace_path(name)) is not None:
         return path
+    if name not in PUBLISHED_TRACES:
+        raise TraceNotFound(f"no trace {name!r}: put {name}.csv in ../shared/traces or in the "
+                            "folder $PAGEDLAB_TRACES names")
     file, digest = PUBLISHED_TRACES[name]
     path = cache_dir() / "traces" / f"{name}.csv"
     if path.is_file() and hashlib.sha256(path.read_bytes()).hexdigest() == digest:
@@ -279,7 +286,10 @@ def trace_path(name: str) -> Path | None:
     try:
         return download_to_cache(url, path, sha256=digest)
     except OSError as err:
-        print(f"{name}: not in ../shared/traces and not downloadable from {url} ({err})")
-        return None
+        raise TraceNotFound(
+            f"{name}: not in ../shared/traces (or $PAGEDLAB_TRACES) and not downloadable from "
+            f"{url} ({err}). Download that file into ../shared/traces as {name}.csv, or build "
+            "where the network reaches GitHub; the chapter describes this trace, so it does "
+            "not run on stand-in data") from err
     except ValueError as err:
         raise ValueError(f"{name}: {err}") from err
