@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import datetime
 import socket
+import time
 from dataclasses import replace
 
 import torch
@@ -216,6 +217,9 @@ class TensorParallelExecutor:
 
     def _failure(self, error: Exception) -> WorkerFailed:
         """Which ranks failed (died, or never received the step), every process ended."""
+        deadline = time.monotonic() + 2.0  # a rank killed a moment ago may not be reaped yet
+        while time.monotonic() < deadline and all(w.exitcode is None for w in self.workers):
+            time.sleep(0.05)
         dead = [f"rank {rank} died (exit code {w.exitcode})"
                 for rank, w in enumerate(self.workers, 1) if w.exitcode is not None]
         stalled = [f"rank {rank} did not take step {self.num_steps}"
