@@ -428,6 +428,27 @@ def test_calculator_computes_in_the_page(server, browser):
     assert not wrong, f"{len(wrong)} of {len(settings)} settings differ; first: {wrong[0]}"
 
 
+def test_the_contents_buttons_open_their_drawers_on_a_phone(server, browser):
+    """At 400 px the visible ☰ opens the table of contents and "Contents" the page's sections
+    (pydata-sphinx-theme #2451: the themes bound a hidden button, and the visible ones did
+    nothing; _static/pagedlab.js passes their clicks on)."""
+    page = browser.new_page(viewport={"width": 400, "height": 800})
+    try:
+        page.route("**/*", lambda r: r.continue_() if r.request.url.startswith(server)
+                   else r.abort())
+        page.goto(f"{server}/book/ch04_paging.html", wait_until="load")
+        opened = {}
+        for kind in ("primary", "secondary"):
+            page.locator(f".{kind}-toggle:visible").first.click()
+            page.wait_for_timeout(300)
+            opened[kind] = page.evaluate(
+                f"() => document.querySelector('#pst-{kind}-sidebar-modal').open")
+            page.keyboard.press("Escape")
+        assert opened == {"primary": True, "secondary": True}, opened
+    finally:
+        page.close()
+
+
 @pytest.mark.parametrize("chapter", sorted((ROOT / "book").glob("ch*.md")), ids=lambda p: p.stem)
 def test_every_glossary_link_of_a_chapter_lands_on_an_entry(chapter):
     """A {term} link must open the glossary at its entry, not at the page's top."""
