@@ -580,7 +580,8 @@ def tensor_parallel_blocks(block_table: Sequence[int], num_tokens: int,
         raise ValueError(f"num_tokens={num_tokens} must fit the table's {len(block_table)} "
                          f"blocks of {block_size}")
     if any(not 0 <= b < num_blocks for b in block_table):
-        raise ValueError(f"block_table={list(block_table)} names a block outside 0..{num_blocks - 1}")
+        raise ValueError(f"block_table={list(block_table)} names a block outside "
+                         f"0..{num_blocks - 1}")
     world, total_heads = len(shapes), sum(s[2] for s in shapes)
     drawn = list(block_table[:max_blocks])
     left, right, gap = 1.9, 7.5, 0.12
