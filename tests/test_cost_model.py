@@ -136,3 +136,12 @@ def test_interconnect_presets_are_the_datasheets_per_direction():
 def test_bad_parameters_are_named(kwargs, message):
     with pytest.raises(ValueError, match=message):
         CostModel(**({"model": "OPT-13B", "gpu": "A100-40GB"} | kwargs))
+
+
+def test_the_all_reduce_format_can_differ_from_the_caches():
+    """A CPU engine all-reduces fp32 hidden states; an fp8 cache still sends fp16 ones."""
+    fp32 = CostModel("Llama-3-8B", "H100-SXM", num_gpus=2, interconnect="NVLink-4",
+                     allreduce_dtype="fp32")
+    assert fp32.allreduce_bytes(3) == 3 * 4096 * 4
+    with pytest.raises(ValueError, match="allreduce_dtype"):
+        CostModel("Llama-3-8B", "H100-SXM", allreduce_dtype="int3")

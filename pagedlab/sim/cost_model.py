@@ -69,11 +69,12 @@ class CostModel:
       do not change. A preset name (``"NVLink-4"``, ``"PCIe-4-x16"``, ...) or an
       :class:`~pagedlab.hardware.Interconnect` prices, on ``num_gpus > 1``, the two
       all-reduces per layer of Megatron-LM's split (after the attention's output projection
-      and after the MLP's down projection), each of ``tokens x d_model`` values of ``dtype``
-      over a ring: :meth:`allreduce_time`. The time is *added* to the roofline, not overlapped
-      with it: the next layer's input is the all-reduce's output, so no GPU has work to hide
-      it behind (engines that overlap part of it split each layer's matrix products into
-      chunks; this model does not).
+      and after the MLP's down projection), each of ``tokens x d_model`` values of
+      ``allreduce_dtype`` (``dtype`` unless given) over a ring: :meth:`allreduce_time`. The
+      time is *added* to the roofline, not overlapped with it: the next layer's input is the
+      all-reduce's output, so no GPU has work to hide it behind (engines that overlap part of
+      it split each layer's matrix products into chunks; this model does not). The link's
+      bandwidth is its datasheet peak, so the term is a lower bound.
     """
 
     model: ModelConfig | str
@@ -87,6 +88,7 @@ class CostModel:
     copy_latency: float = 5e-6
     kv_tile_tokens: int = 16
     interconnect: Interconnect | str | None = None
+    allreduce_dtype: str | None = None  # the hidden states' format; None: ``dtype``
 
     def __post_init__(self):
         object.__setattr__(self, "model", get_model(self.model))
@@ -110,7 +112,8 @@ class CostModel:
             "_flops_per_token": 2 * (m.n_active_params or m.n_params),
             "_bandwidth": n * self.gpu.bandwidth_bytes_per_s * self.bandwidth_efficiency,
             "_compute": n * self.gpu.peak_flops(self.dtype) * self.compute_efficiency,
-            "_hidden_bytes": m.d_model * dtype_bytes(self.dtype),  # one token's hidden state
+            "_hidden_bytes": m.d_model * dtype_bytes(self.allreduce_dtype or self.dtype,
+                                                     "allreduce_dtype"),  # a token's hidden state
         }
         for name, value in derived.items():
             object.__setattr__(self, name, value)
@@ -164,7 +167,7 @@ class CostModel:
 
     def allreduce_bytes(self, tokens: int) -> int:
         """Bytes of one all-reduce's tensor in a step of ``tokens`` tokens: every token's
-        hidden state, ``tokens * d_model`` values of ``dtype``. A layer makes two."""
+        hidden state, ``tokens * d_model`` values of ``allreduce_dtype``. A layer makes two."""
         check_positive("tokens", tokens, integer=True, allow_zero=True)
         return tokens * self._hidden_bytes
 
