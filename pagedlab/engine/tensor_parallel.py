@@ -99,7 +99,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         out = self.linear(x)
-        dist.all_reduce(out)  # the N partial sums added: the whole product on every rank
+        dist.all_reduce(out)  # the ranks' partial sums added: the whole product on each
         return out
 
 
