@@ -1,4 +1,4 @@
-"""GPU presets: memory, bandwidth and peak tensor-core throughput.
+"""GPU presets: memory, bandwidth and peak tensor-core throughput; the links between GPUs.
 
 Chapter 1 draws rooflines from these numbers and computes what fits in memory; the simulator's
 cost model turns FLOPs and bytes into time with the same presets.
@@ -8,6 +8,9 @@ does the same (its 40 GB A100 holds 12 GB of KV cache and 15.7K slots of 800 KB 
 binary units), and the A100 parts report exactly 40 and 80 GiB. Bandwidth is in bytes/s
 and throughput in FLOP/s, both decimal as the datasheets print them. Throughput is dense
 (without the 2:4 structured-sparsity doubling the datasheets also quote).
+
+An :class:`Interconnect` is the link a tensor-parallel all-reduce crosses (NVLink or PCIe),
+with its bandwidth per direction; chapter 14's cost model prices communication with it.
 """
 
 from __future__ import annotations
@@ -86,3 +89,74 @@ GPUS: dict[str, GPU] = {
 def get_gpu(gpu) -> GPU:
     """The preset named ``gpu``; a :class:`GPU` passes through unchanged."""
     return lookup_preset("gpu", gpu, GPUS, GPU, "GPUs")
+
+
+# --- Links between GPUs: what a tensor-parallel all-reduce crosses -------------------------
+
+
+@dataclass(frozen=True)
+class Interconnect:
+    """The link between the GPUs of one tensor-parallel group, as an all-reduce sees it.
+
+    ``bandwidth_bytes_per_s`` is what one GPU can send (and, at the same time, receive) in one
+    direction: half the "total" or bidirectional figure datasheets print. ``latency_s`` is the
+    fixed cost of one all-reduce whatever its size (launch, synchronisation, the ring's steps).
+    """
+
+    name: str
+    bandwidth_bytes_per_s: float  # per GPU, per direction
+    latency_s: float  # per all-reduce
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"name={self.name!r} must be a non-empty string")
+        check_positive("bandwidth_bytes_per_s", self.bandwidth_bytes_per_s)
+        check_positive("latency_s", self.latency_s, allow_zero=True)
+
+    @staticmethod
+    def ring_bytes(nbytes: float, num_gpus: int) -> float:
+        """Bytes each GPU sends in a ring all-reduce of an ``nbytes`` tensor: ``2(N-1)/N`` of
+        it (N-1 steps of a reduce-scatter, then N-1 of an all-gather, each moving 1/N)."""
+        check_positive("num_gpus", num_gpus, integer=True)
+        return 2 * (num_gpus - 1) / num_gpus * nbytes
+
+    def allreduce_time(self, nbytes: float, num_gpus: int) -> float:
+        """Seconds one all-reduce of an ``nbytes`` tensor over ``num_gpus`` GPUs takes: its
+        ring traffic at the link's bandwidth plus the fixed latency; 0 on one GPU."""
+        check_positive("nbytes", nbytes, allow_zero=True)
+        if num_gpus == 1:
+            return 0.0
+        return self.ring_bytes(nbytes, num_gpus) / self.bandwidth_bytes_per_s + self.latency_s
+
+
+def _pcie_x16(gigatransfers: float) -> float:
+    """Bytes/s one direction of a PCIe x16 link carries: 16 lanes at ``gigatransfers`` GT/s,
+    one bit a transfer, 128b/130b coding (PCIe 3.0 and later)."""
+    return gigatransfers * 1e9 * 16 * 128 / 130 / 8
+
+
+# Bandwidths per direction from the datasheets; the latencies are this book's assumptions (the
+# order of magnitude of a small NCCL all-reduce), not measurements.
+INTERCONNECTS: dict[str, Interconnect] = {
+    link.name: link
+    for link in (
+        # NVIDIA H100 and H200 datasheets (SXM): fourth-generation NVLink, 900 GB/s per GPU,
+        # counted in both directions: 450 GB/s each way. Through NVSwitch (HGX/DGX boards)
+        # every GPU reaches every other at that rate.
+        Interconnect("NVLink-4", 450e9, 10e-6),
+        # NVIDIA A100 datasheet (SXM): third-generation NVLink, 600 GB/s, 300 GB/s each way.
+        Interconnect("NVLink-3", 300e9, 10e-6),
+        # PCI-SIG, PCI Express Base Specification 4.0: 16 GT/s a lane, 128b/130b coding:
+        # 31.5 GB/s each way on x16 (the A100 datasheet's "PCIe Gen4: 64 GB/s" counts both).
+        # GPUs on a PCIe bus share the host's switches; this is one link's ceiling.
+        Interconnect("PCIe-4-x16", _pcie_x16(16), 25e-6),
+        # PCI Express Base Specification 5.0: 32 GT/s a lane: 63 GB/s each way on x16 (the
+        # H100 datasheet's "PCIe Gen5: 128 GB/s" counts both directions).
+        Interconnect("PCIe-5-x16", _pcie_x16(32), 25e-6),
+    )
+}
+
+
+def get_interconnect(link) -> Interconnect:
+    """The preset named ``link``; an :class:`Interconnect` passes through unchanged."""
+    return lookup_preset("interconnect", link, INTERCONNECTS, Interconnect, "interconnects")

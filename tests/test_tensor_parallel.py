@@ -129,3 +129,12 @@ def test_a_rank_that_dies_or_stalls_fails_the_engine_by_name(model, monkeypatch,
     with pytest.raises(WorkerFailed, match="shut down"):
         llm.generate(random_prompts([4], 192), GREEDY, use_tqdm=False)
     llm.shutdown()  # again: nothing left to do
+
+
+def test_measure_allreduce_times_each_size_on_processes_of_its_own():
+    """Chapter 14's microbenchmark: rank 0's seconds per all-reduce, every size and repeat,
+    with no group left in this process."""
+    times = tensor_parallel.measure_allreduce(2, [1024, 65536], repeats=3, timeout=60)
+    assert sorted(times) == [1024, 65536]
+    assert all(len(t) == 3 and all(0 < s < 60 for s in t) for t in times.values())
+    assert not dist.is_initialized()

@@ -330,3 +330,42 @@ def test_scheduler_steps_draws_each_batch_to_scale_and_each_queue_by_id():
     assert len(D.artists(fig, "victim")) == sum(len(s["preempted"]) for s in steps)
     assert style.overlapping_text(fig) == []
     assert fig.get_size_inches()[0] == pytest.approx(7)
+
+
+@pytest.mark.parametrize("table, tokens, shapes", [
+    ([7, 2, 11], 37, [(64, 16, 1, 64)] * 3),  # SmolLM2 at 3 ranks: one KV head each
+    ([5, 0, 9, 3, 1, 4, 8, 2], 120, [(10, 16, 2, 128)] * 4),  # more blocks than drawn
+])
+def test_tensor_parallel_blocks_draws_the_same_ids_on_every_rank_each_with_its_own_heads(
+        table, tokens, shapes):
+    fig = D.tensor_parallel_blocks(table, tokens, shapes, element_size=2)
+    world, drawn = len(shapes), table[:6]
+    assert len(D.artists(fig, "block")) == world * len(drawn)
+    ids = texts(fig, "block_id")
+    assert [int(t.split()[-1]) for t in ids] == drawn * world  # the same ids, row after row
+    heads = [s[2] for s in shapes]
+    strips = D.artists(fig, "kv_head")
+    assert len(strips) == len(drawn) * sum(heads)
+    labels = texts(fig, "head_label")
+    per_rank = [labels[i * len(drawn) * h:(i + 1) * len(drawn) * h] for i, h in enumerate(heads)]
+    owned = [set(rank) for rank in per_rank]
+    assert all(len(o) == h for o, h in zip(owned, heads))  # each rank: its own heads only
+    assert set.union(*owned) == {f"h{k}" for k in range(sum(heads))}  # together, all of them
+    assert sum(map(len, owned)) == sum(heads)  # and no head on two ranks
+    # the last block's strips are shaded by its filled share, the others full
+    last = min(len(table), 6) - 1
+    full = max(s.get_height() for s in strips)
+    share = (tokens - last * shapes[0][1]) / shapes[0][1] if len(table) <= 6 else 1
+    assert strips[last * heads[0]].get_height() == pytest.approx(full * share)
+    for label, (_, _, h, d) in zip(texts(fig, "bytes_per_token"), shapes):
+        assert label.startswith(f"{2 * h * d * 2:,} B")
+    assert fig.get_size_inches()[0] == pytest.approx(7)
+
+
+def test_tensor_parallel_blocks_refuses_ranks_that_disagree():
+    with pytest.raises(ValueError, match="same blocks"):
+        D.tensor_parallel_blocks([0], 4, [(8, 16, 1, 64), (9, 16, 1, 64)], 2)
+    with pytest.raises(ValueError, match="outside"):
+        D.tensor_parallel_blocks([8], 4, [(8, 16, 1, 64)], 2)
+    with pytest.raises(ValueError, match="num_tokens"):
+        D.tensor_parallel_blocks([1], 17, [(8, 16, 1, 64)], 2)

@@ -99,7 +99,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         out = self.linear(x)
-        dist.all_reduce(out)  # the N partial sums added: the whole product on every rank
+        dist.all_reduce(out)  # the ranks' partial sums added: the whole product on each
         return out
 
 
@@ -249,5 +249,51 @@ class TensorParallelExecutor:
             dist.destroy_process_group()
 
 
+def _allreduce_loop(rank: int, world: int, init_method: str, sizes: list[int], repeats: int,
+                    results) -> None:
+    """One rank of :func:`measure_allreduce`: ``repeats`` timed all-reduces of each size."""
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT))
+    try:
+        tensors = {n: torch.ones(max(1, n // 4)) for n in sizes}  # fp32, as a CPU engine sends
+        times: dict[int, list[float]] = {n: [] for n in sizes}
+        for i in range(repeats + 3):  # the sizes interleaved, so that a slow moment hits all
+            for nbytes, x in tensors.items():
+                dist.barrier()  # every rank starts together: no wait for a late one is timed
+                start = time.perf_counter()
+                dist.all_reduce(x)
+                if i >= 3:  # the first rounds warm the ring's buffers up
+                    times[nbytes].append(time.perf_counter() - start)
+        if rank == 0:
+            results.put(times)
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_allreduce(world: int, sizes, repeats: int = 20,
+                      timeout: float = DEFAULT_TIMEOUT) -> dict[int, list[float]]:
+    """Seconds each of ``repeats`` gloo all-reduces of each of ``sizes`` bytes (fp32) took on
+    rank 0 of ``world`` fresh processes on this machine, as rank 0 of the engine sees them
+    (transfer, and any wait for a slower rank). The processes are this call's own, so an
+    engine running in this process is left alone."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    procs = [ctx.Process(target=_allreduce_loop, daemon=True, name=f"pagedlab-ar{rank}",
+                         args=(rank, world, init_method, [int(n) for n in sizes], repeats,
+                               results))
+             for rank in range(world)]
+    for proc in procs:
+        proc.start()
+    try:
+        return results.get(timeout=timeout)
+    finally:
+        for proc in procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+
 __all__ = ["RowParallelLinear", "TensorParallelExecutor", "WorkerFailed", "build_shard",
-           "shard_args", "shard_state_dict", "worker_loop"]
+           "measure_allreduce", "shard_args", "shard_state_dict", "worker_loop"]

@@ -10,6 +10,11 @@ products. Its time is a roofline with achievable (not datasheet) rates, plus a f
 Moving blocks between GPU and CPU (swapping) goes over PCIe, one copy per block, layer and
 K/V: ``bytes / pcie_bandwidth + copies * copy_latency``. The defaults, and where they come
 from, are in :class:`CostModel`.
+
+On several GPUs (tensor parallelism), an optional ``interconnect`` prices the two all-reduces
+each layer makes of the step's hidden states, added to the step's time (chapter 14):
+
+    time += 2 * layers * (2(N-1)/N * tokens * d_model * bytes / link_bandwidth + link_latency)
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from dataclasses import dataclass
 
 from pagedlab._arith import cdiv
 from pagedlab._checks import check_positive
+from pagedlab.dtypes import dtype_bytes
 from pagedlab.footprint import (
     ModelConfig,
     attention_flops_per_pair,
@@ -27,7 +33,7 @@ from pagedlab.footprint import (
     kv_capacity,
     weight_bytes,
 )
-from pagedlab.hardware import GPU, get_gpu
+from pagedlab.hardware import GPU, Interconnect, get_gpu, get_interconnect
 
 
 def prefill_pairs(prefill_lens: Sequence[int], prefill_starts: Sequence[int]) -> int:
@@ -58,6 +64,17 @@ class CostModel:
     - ``kv_tile_tokens=16``: an assumption. An attention kernel reads each block as at least a
       tile of this many tokens, so blocks smaller than a tile waste bandwidth: our stand-in
       for the paper's "small blocks underuse the GPU's parallelism" (Fig. 18).
+    - ``interconnect=None``: communication is free, as it was before chapter 14 gave the model
+      a link, so chapter 10's results (which run on one GPU, or on several with this default)
+      do not change. A preset name (``"NVLink-4"``, ``"PCIe-4-x16"``, ...) or an
+      :class:`~pagedlab.hardware.Interconnect` prices, on ``num_gpus > 1``, the two
+      all-reduces per layer of Megatron-LM's split (after the attention's output projection
+      and after the MLP's down projection), each of ``tokens x d_model`` values of
+      ``allreduce_dtype`` (``dtype`` unless given) over a ring: :meth:`allreduce_time`. The
+      time is *added* to the roofline, not overlapped with it: the next layer's input is the
+      all-reduce's output, so no GPU has work to hide it behind (engines that overlap part of
+      it split each layer's matrix products into chunks; this model does not). The link's
+      bandwidth is its datasheet peak, so the term is a lower bound.
     """
 
     model: ModelConfig | str
@@ -70,6 +87,8 @@ class CostModel:
     pcie_bandwidth: float = 25e9
     copy_latency: float = 5e-6
     kv_tile_tokens: int = 16
+    interconnect: Interconnect | str | None = None
+    allreduce_dtype: str | None = None  # the hidden states' format; None: ``dtype``
 
     def __post_init__(self):
         object.__setattr__(self, "model", get_model(self.model))
@@ -83,6 +102,8 @@ class CostModel:
         check_positive("pcie_bandwidth", self.pcie_bandwidth)
         check_positive("copy_latency", self.copy_latency, allow_zero=True)
         check_positive("kv_tile_tokens", self.kv_tile_tokens, integer=True)
+        if self.interconnect is not None:
+            object.__setattr__(self, "interconnect", get_interconnect(self.interconnect))
         m, n = self.model, self.num_gpus
         derived = {  # per-step constants, computed once: a simulation asks millions of times
             "_weight_bytes": weight_bytes(m, self.dtype),
@@ -91,6 +112,8 @@ class CostModel:
             "_flops_per_token": 2 * (m.n_active_params or m.n_params),
             "_bandwidth": n * self.gpu.bandwidth_bytes_per_s * self.bandwidth_efficiency,
             "_compute": n * self.gpu.peak_flops(self.dtype) * self.compute_efficiency,
+            "_hidden_bytes": m.d_model * dtype_bytes(self.allreduce_dtype or self.dtype,
+                                                     "allreduce_dtype"),  # a token's hidden state
         }
         for name, value in derived.items():
             object.__setattr__(self, name, value)
@@ -137,7 +160,24 @@ class CostModel:
         # Decodes read their context (the new token's slot included, as it is written), chunks
         # their cached prefix; prefills write their tokens' keys and values.
         bytes_moved = self._weight_bytes + self._kv_token_bytes * (read + prefill_tokens)
-        return max(flops / self._compute, bytes_moved / self._bandwidth) + self.step_overhead
+        seconds = max(flops / self._compute, bytes_moved / self._bandwidth) + self.step_overhead
+        if self.interconnect is None:  # communication free: the common case, kept cheap
+            return seconds
+        return seconds + self.allreduce_time(tokens)
+
+    def allreduce_bytes(self, tokens: int) -> int:
+        """Bytes of one all-reduce's tensor in a step of ``tokens`` tokens: every token's
+        hidden state, ``tokens * d_model`` values of ``allreduce_dtype``. A layer makes two."""
+        check_positive("tokens", tokens, integer=True, allow_zero=True)
+        return tokens * self._hidden_bytes
+
+    def allreduce_time(self, tokens: int) -> float:
+        """Seconds a step of ``tokens`` tokens spends in all-reduces: two per layer over the
+        ``interconnect``; 0 on one GPU or without an interconnect (communication free)."""
+        if self.interconnect is None or self.num_gpus == 1 or tokens == 0:
+            return 0.0
+        one = self.interconnect.allreduce_time(self.allreduce_bytes(tokens), self.num_gpus)
+        return 2 * self.model.n_layers * one
 
     def swap_time(self, num_blocks: int, block_size: int) -> float:
         """Seconds to move ``num_blocks`` blocks over PCIe, one copy per block, layer, K and V."""

@@ -1,4 +1,4 @@
-"""Explanatory diagrams the chapters draw from their own data (chapters 3 to 7, 9 and 11).
+"""Explanatory diagrams the chapters draw from their own data (chapters 3 to 7, 9, 11 and 14).
 
 Each function takes what the chapter computed (a cache tensor, a block table, log-sum-exps,
 prompts, a run's transition counts, model presets) and returns a matplotlib figure about 7
@@ -23,7 +23,7 @@ from pagedlab.memory.prefix_cache import block_key
 __all__ = [
     "artists", "cache_layout", "decode_grid", "split_ranges", "split_merge", "hash_chain",
     "state_machine", "kv_heads", "traffic_bars", "varlen_tiles", "chunk_mask", "online_sweep",
-    "free_list_moves", "scheduler_steps",
+    "free_list_moves", "scheduler_steps", "tensor_parallel_blocks",
 ]
 
 WIDTH = 7.0  # inches: the page width
@@ -636,4 +636,78 @@ def scheduler_steps(steps: Sequence[Mapping], budget: int, seats: int,
                Patch(facecolor="none", edgecolor="#d62728", lw=2, label="preempted")]
     ax.legend(handles=handles, loc="lower center", ncols=5, fontsize=FONT, frameon=False,
               bbox_to_anchor=(0.5, 0.0), handlelength=1.2, columnspacing=1.0)
+    return fig
+
+
+# --- Chapter 14: one request's blocks on every tensor-parallel rank ------------------------
+
+
+def tensor_parallel_blocks(block_table: Sequence[int], num_tokens: int,
+                           cache_shapes: Sequence[Sequence[int]], element_size: int,
+                           max_blocks: int = 6) -> Figure:
+    """One request's blocks in every rank's cache under tensor parallelism, a row per rank.
+
+    ``block_table`` is the request's table (the one scheduler's, sent to every rank),
+    ``num_tokens`` the tokens it holds, ``cache_shapes`` each rank's one-layer cache shape
+    ``[num_blocks, block_size, num_kv_heads, head_dim]`` and ``element_size`` its bytes per
+    value. Every row draws the same physical block ids (gid ``block``, at most ``max_blocks``
+    of them), each split into the rank's KV heads (gid ``kv_head``), numbered and coloured by
+    the model's head: rank r holds the heads after those of ranks 0 to r-1. The filled share of
+    each block's slots is shaded. The right column gives each rank's bytes per token and layer.
+    """
+    shapes = [tuple(int(n) for n in s) for s in cache_shapes]
+    if not shapes or any(len(s) != 4 for s in shapes):
+        raise ValueError(f"cache_shapes={cache_shapes!r} must be one 4-d shape per rank")
+    if len({s[:2] for s in shapes}) != 1:
+        raise ValueError("every rank's cache must have the same blocks and block size: "
+                         f"{[s[:2] for s in shapes]}")
+    num_blocks, block_size = shapes[0][:2]
+    if not 0 < num_tokens <= len(block_table) * block_size:
+        raise ValueError(f"num_tokens={num_tokens} must fit the table's {len(block_table)} "
+                         f"blocks of {block_size}")
+    if any(not 0 <= b < num_blocks for b in block_table):
+        raise ValueError(f"block_table={list(block_table)} names a block outside "
+                         f"0..{num_blocks - 1}")
+    world, total_heads = len(shapes), sum(s[2] for s in shapes)
+    drawn = list(block_table[:max_blocks])
+    left, right, gap = 1.9, 7.5, 0.12
+    bw = (right - left) / max(len(drawn), 1)
+    fig, ax = _canvas(1.0 + 0.95 * world, (0, 10), (-0.75, world * 0.95 + 0.1))
+    first = 0  # the model's index of this rank's first KV head
+    for r, (_, _, heads, head_dim) in enumerate(shapes):
+        y = (world - 1 - r) * 0.95
+        ax.text(0, y + 0.5, f"rank {r}", fontsize=FONT + 1, weight="bold", va="center")
+        ax.text(0, y + 0.2, f"[{num_blocks}, {block_size}, {heads}, {head_dim}]", fontsize=FONT,
+                va="center", color="#555555")
+        for j, b in enumerate(drawn):
+            x = left + j * bw
+            filled = min(block_size, num_tokens - j * block_size) / block_size
+            _box(ax, x, y, bw - gap, 0.72, gid="block", fill="#ffffff")
+            ax.text(x + (bw - gap) / 2, y + 0.8, f"block {b}" if bw > 0.9 else str(b),
+                    ha="center", va="center",
+                    fontsize=FONT, gid="block_id")
+            hw = (bw - gap) / heads
+            for h in range(heads):
+                k = first + h
+                strip = Rectangle((x + h * hw + 0.03, y + 0.04), hw - 0.06, 0.64 * filled,
+                                  facecolor=COLORS[k % len(COLORS)], alpha=0.75, lw=0)
+                strip.set_gid("kv_head")
+                ax.add_patch(strip)
+                if hw > 0.3:
+                    ax.text(x + (h + 0.5) * hw, y + 0.36, f"h{k}", ha="center", va="center",
+                            fontsize=FONT, gid="head_label")
+        per_token = 2 * heads * head_dim * element_size  # K and V of this rank's heads
+        ax.text(right + 0.15, y + 0.5, f"KV heads {first}–{first + heads - 1} of {total_heads}"
+                if heads > 1 else f"KV head {first} of {total_heads}", fontsize=FONT,
+                va="center")
+        ax.text(right + 0.15, y + 0.2, f"{per_token:,} B / token / layer", fontsize=FONT,
+                va="center", gid="bytes_per_token")
+        first += heads
+    more = len(block_table) - len(drawn)
+    table = ", ".join(map(str, block_table[:max_blocks])) + (f", … (+{more})" if more else "")
+    ax.text(0, -0.3, f"one block table, [{table}], on every rank; {num_tokens} tokens in blocks "
+            f"of {block_size} (filled share shaded)", fontsize=FONT, color="#555555",
+            va="center")
+    ax.text(0, -0.62, "each rank's block b holds only its own KV heads' keys and values "
+            "(colour: the model's KV head)", fontsize=FONT, color="#555555", va="center")
     return fig
