@@ -30,6 +30,8 @@ from pagedlab.memory import (
 )
 from pagedlab.memory import prefix_cache
 
+pytestmark = pytest.mark.randomized  # Hypothesis runs the machine inside each test
+
 def symbols(**sizes):
     """Token lists over two symbols, so that prompts often share prefixes."""
     return st.lists(st.sampled_from([0, 1]), **sizes)
