@@ -10,7 +10,7 @@ RUN := bash tools/under_load.sh $(LOAD)
 # spin while they wait for each other, and a step can take ten times as long.
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: book test unit pytest colab no-triton notebooks mutation clean
+.PHONY: book test unit pytest colab no-triton notebooks mutation seeds clean
 
 $(READY): pyproject.toml course/pyproject.toml tools/setup_env.sh
 	VENV=$(VENV) bash tools/setup_env.sh
@@ -73,6 +73,12 @@ mutation: $(READY)
 	$(BIN)/python -c "import mutmut" 2>/dev/null || $(BIN)/python -m pip install -q -e ".[mutation]"
 	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 nice -n 10 $(BIN)/mutmut run --max-children 2
 	$(BIN)/mutmut results
+
+# Every randomized test (`pytest -m randomized`: Hypothesis tests, and tests that pick their own
+# seeds) under seeds 0 to 29, one pytest run per seed (tools/seeds.py). Not part of `make test`:
+# about 15 minutes on 2 cores. Results in tests/MUTATION.md.
+seeds: $(READY)
+	nice -n 10 $(BIN)/python tools/seeds.py --seeds 0:30
 
 clean:
 	rm -rf _build mutants

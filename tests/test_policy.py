@@ -122,10 +122,10 @@ def workload(seed, num=40):
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 @pytest.mark.parametrize("policy", [FCFS(), Priority(), ShortestPromptFirst()])
-def test_policy_order_holds_every_step_and_nothing_is_lost(mode, policy):
+def test_policy_order_holds_every_step_and_nothing_is_lost(mode, policy, seed_offset):
     """Each step: admissions are a prefix of the waiting queue in the policy's order, victims
     the running groups' tail in reverse; every request is in exactly one place."""
-    requests = workload(seed=1)
+    requests = workload(seed=1 + seed_offset)
     sched = scheduler(requests, num_blocks=40, num_cpu_blocks=12, max_num_seqs=8,
                       max_num_batched_tokens=128, watermark=0.0, preemption_mode=mode,
                       policy=policy)
@@ -148,8 +148,8 @@ def test_policy_order_holds_every_step_and_nothing_is_lost(mode, policy):
     assert sched.manager.num_used_blocks == 0 and sched.manager.cpu.num_used == 0
 
 
-def test_fcfs_queues_stay_in_arrival_order_when_swapping_falls_back_to_recompute():
-    requests = [(rid, p, o, 0) for rid, p, o, _ in workload(seed=2)]
+def test_fcfs_queues_stay_in_arrival_order_when_swapping_falls_back_to_recompute(seed_offset):
+    requests = [(rid, p, o, 0) for rid, p, o, _ in workload(seed=2 + seed_offset)]
     sched = scheduler(requests, num_blocks=40, num_cpu_blocks=6, max_num_seqs=8,
                       max_num_batched_tokens=128, watermark=0.0, preemption_mode="swap")
     modes, first_admitted = set(), []

@@ -137,8 +137,8 @@ def synthetic_steps(rng, n=200):
     return steps
 
 
-def test_fit_recovers_known_constants():
-    rng = np.random.default_rng(0)
+def test_fit_recovers_known_constants(seed_offset):
+    rng = np.random.default_rng(seed_offset)
     truth = {"decode_seqs": 2e-3, "prefill_tokens": 1.5e-3, "kv_tokens_read": 4e-6,
              "attention_pairs": 3e-8}
     shapes = synthetic_steps(rng)
@@ -155,9 +155,13 @@ def test_fit_recovers_known_constants():
                          kv_bytes_per_token=1, swap_bandwidth=1.0)
     predicted = np.array([fit.step_time(s.prefill_lens, s.decode_lens, 16, s.prefill_starts)
                           for s in shapes])
-    assert np.sqrt(np.mean((predicted / exact - 1) ** 2)) < 0.035  # nearer the truth than the data
+    # measured against the draw's own noise, not the nominal 5% (a bound of 3.5% held at seed 0
+    # and failed at 7 seeds of 300; these hold at 1,000 of 1,000)
+    noise = np.sqrt(np.mean((np.array(noisy) / exact - 1) ** 2))
+    error = np.sqrt(np.mean((predicted / exact - 1) ** 2))
+    assert error < noise  # nearer the truth than the data
     assert fit.coefficients["prefill_tokens"] == pytest.approx(1.5e-3, rel=0.1)
-    assert fit.rms_relative_error == pytest.approx(0.05, rel=0.3)
+    assert 0.9 * noise < fit.rms_relative_error < 1.1 * (noise + error)  # the noise, and the error
     assert fit.residuals == pytest.approx(np.array(noisy) - predicted)
     assert predicted.sum() == pytest.approx(sum(noisy))  # the fitted times add up
 

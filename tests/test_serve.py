@@ -615,14 +615,14 @@ def random_value(rng, depth=0):
             for _ in range(rng.randint(0, 3))}
 
 
-def test_fuzzed_bodies_fail_alone_while_other_streams_run(server):
+def test_fuzzed_bodies_fail_alone_while_other_streams_run(server, seed_offset):
     """Bodies with one field set to a random value (type, size, nesting), sent while other
     streams run: each gets a 200 (a value that happens to be valid) or a 4xx naming that
     field, never a 5xx; every other stream's reply is the one it gets alone; no block leaks."""
     import random
 
     url, llm, reference = server
-    rng = random.Random(47)
+    rng = random.Random(47 + seed_offset)
     body = {"model": NAME, "prompt": "a steady stream:", "max_tokens": 30, "temperature": 0,
             "ignore_eos": True, "stream": True}
     (want,) = reference.generate(body["prompt"], SamplingParams(

@@ -41,9 +41,9 @@ def test_one_beam_shares_nothing_and_copies_nothing():
 
 
 @pytest.mark.parametrize("workload", [play_parallel_sampling, play_beam_search])
-def test_workloads_free_every_block(workload):
+def test_workloads_free_every_block(workload, seed_offset):
     mgr = KVCacheManager(64, 4)
-    workload(mgr, "r", list(range(9)), 3, 12, np.random.default_rng(0))
+    workload(mgr, "r", list(range(9)), 3, 12, np.random.default_rng(seed_offset))
     assert mgr.num_used_blocks == 0
     mgr.check_invariants()
 
@@ -87,7 +87,11 @@ def test_more_plausible_alternatives_let_beams_share_more():
     assert saved == sorted(saved) and len(set(saved)) == len(saved)
 
 
-def test_with_no_alternatives_one_token_is_near_certain():
-    logp = next_token_logprobs(np.random.default_rng(0), vocab=50, alternatives=0.0)
-    assert np.exp(logp).sum() == pytest.approx(1.0)
-    assert np.exp(logp).max() > 0.99
+def test_with_no_alternatives_one_token_is_near_certain(seed_offset):
+    """The lifted token is the likeliest and holds most of the mass in every draw, over 99% in
+    the typical one. (One draw over 0.99, as this test asked, fails at about one seed in 7.)"""
+    rng = np.random.default_rng(seed_offset)
+    probs = np.exp([next_token_logprobs(rng, vocab=50, alternatives=0.0) for _ in range(1000)])
+    assert probs.sum(axis=1) == pytest.approx(np.ones(1000))
+    assert (probs.argmax(axis=1) == 0).all() and probs.max(axis=1).min() > 0.5
+    assert np.median(probs.max(axis=1)) > 0.99

@@ -21,16 +21,17 @@ from pagedlab.sim import traces
 
 
 @pytest.mark.parametrize("dataset", ["sharegpt", "alpaca"])
-def test_synthetic_lengths_have_the_papers_means(dataset):
-    prompt, output = sample_lengths(dataset, 200_000, np.random.default_rng(0))
+def test_synthetic_lengths_have_the_papers_means(dataset, seed_offset):
+    prompt, output = sample_lengths(dataset, 200_000, np.random.default_rng(seed_offset))
     d = DATASETS[dataset]
     assert prompt.mean() == pytest.approx(d.mean_prompt, rel=0.02)
     assert output.mean() == pytest.approx(d.mean_output, rel=0.02)
 
 
 @pytest.mark.parametrize("max_context", [2, 64, 2048])
-def test_synthetic_lengths_fit_the_context(max_context):
-    prompt, output = sample_lengths("sharegpt", 20_000, np.random.default_rng(1), max_context)
+def test_synthetic_lengths_fit_the_context(max_context, seed_offset):
+    rng = np.random.default_rng(1 + seed_offset)
+    prompt, output = sample_lengths("sharegpt", 20_000, rng, max_context)
     assert prompt.min() >= 1 and output.min() >= 1
     assert (prompt + output).max() <= max_context
 
@@ -42,8 +43,8 @@ def test_synthetic_requests_are_seeded():
     assert [r.id for r in a] == list(range(50))
 
 
-def test_poisson_arrivals_have_the_rate():
-    t = poisson_arrivals(100_000, 4.0, np.random.default_rng(0))
+def test_poisson_arrivals_have_the_rate(seed_offset):
+    t = poisson_arrivals(100_000, 4.0, np.random.default_rng(seed_offset))
     assert t[0] == 0 and np.all(np.diff(t) >= 0)
     assert np.diff(t).mean() == pytest.approx(1 / 4.0, rel=0.02)
     assert not poisson_arrivals(5, math.inf, np.random.default_rng(0)).any()
@@ -106,20 +107,21 @@ def test_load_trace_errors_name_the_file_and_row(tmp_path, text, message):
         load_trace(write(tmp_path, text))
 
 
-def test_lengths_only_trace_draws_seeded_poisson_arrivals(tmp_path):
-    rng = np.random.default_rng(7)
+def test_lengths_only_trace_draws_seeded_poisson_arrivals(tmp_path, seed_offset):
+    rng = np.random.default_rng(7 + seed_offset)
     lengths = rng.integers(1, 500, size=(4000, 2))
     text = "num_prefill_tokens,num_decode_tokens,extra\n" + "".join(
         f"{p},{o},x\n" for p, o in lengths)
     path = write(tmp_path, text)
-    reqs = load_trace(path, rate=4.0, seed=3)
+    seed = 3 + seed_offset
+    reqs = load_trace(path, rate=4.0, seed=seed)
     assert [(r.prompt_len, r.output_len) for r in reqs] == [tuple(x) for x in lengths.tolist()]
     gaps = np.diff([r.arrival for r in reqs])
     assert reqs[0].arrival == 0.0 and (gaps >= 0).all()
     assert np.mean(gaps) == pytest.approx(1 / 4.0, rel=0.05)  # 4,000 gaps: 1.6% standard error
     assert np.std(gaps) == pytest.approx(1 / 4.0, rel=0.1)  # exponential: std = mean
-    assert load_trace(path, rate=4.0, seed=3) == reqs
-    assert load_trace(path, rate=4.0, seed=4) != reqs
+    assert load_trace(path, rate=4.0, seed=seed) == reqs
+    assert load_trace(path, rate=4.0, seed=seed + 1) != reqs
     assert len(load_trace(path, limit=5, rate=1.0)) == 5
     # a trace with arrivals takes drawn ones too: its lengths at another load
     assert [r.arrival for r in load_trace(write(tmp_path, GOOD), rate=1.0)] != [0.0, 4.3, 4.3]
