@@ -22,9 +22,11 @@ import inspect
 import math
 import types
 from importlib import import_module
+from importlib.util import find_spec
 from pathlib import Path
 
 from pagedlab.device import has_triton, require_triton
+from pagedlab.kernels.catalog import KERNELS, TRITON_MODULES
 
 __all__ = ["triton", "tl", "source_only", "reference_for", "REFERENCES"]
 
@@ -136,8 +138,6 @@ def _import(name, globals=None, locals=None, fromlist=(), level=0):
             module = getattr(module, part)
         return module
     if fromlist and name.startswith("pagedlab.kernels."):
-        from pagedlab.kernels import TRITON_MODULES
-
         short = name.removeprefix("pagedlab.kernels.")
         if short in TRITON_MODULES:
             return source_only(short)
@@ -149,14 +149,12 @@ def source_only(name: str) -> types.ModuleType:
     """``pagedlab.kernels.<name>`` run from its file with the stand-in Triton: constants, plain
     functions and the kernels' source are there, and its public kernels are their references.
     Not put in ``sys.modules``: ``import pagedlab.kernels.<name>`` still fails without Triton."""
-    from pagedlab.kernels import _KERNELS
-
-    path = Path(__file__).with_name(f"{name}.py")
+    path = Path(find_spec(f"pagedlab.kernels.{name}").origin)  # found, not imported
     module = types.ModuleType(f"pagedlab.kernels.{name}")
     module.__file__ = str(path)
     module.__dict__["__builtins__"] = {**vars(builtins), "__import__": _import}
     exec(compile(path.read_text(), str(path), "exec"), module.__dict__)
-    for kernel, (home, _) in _KERNELS.items():
+    for kernel, (home, _) in KERNELS.items():
         if home == name:
             setattr(module, kernel, _standing_in(kernel, getattr(module, kernel)))
     return module
@@ -166,9 +164,7 @@ def reference_for(kernel: str):
     """The torch reference that runs in place of ``pagedlab.kernels.<kernel>``: it takes the
     kernel's arguments, ignores those that only tune the launch (``num_splits``, ``logits``,
     ...), and says once that it ran instead."""
-    from pagedlab.kernels import _KERNELS
-
-    home = _KERNELS[kernel][0]
+    home = KERNELS[kernel][0]
     if not has_triton():
         return getattr(source_only(home), kernel)
     return _standing_in(kernel, getattr(import_module(f"pagedlab.kernels.{home}"), kernel))
@@ -176,9 +172,7 @@ def reference_for(kernel: str):
 
 def _standing_in(kernel: str, kernel_function):
     """``kernel``'s reference, taking ``kernel_function``'s arguments."""
-    from pagedlab.kernels import _KERNELS
-
-    where = _KERNELS[kernel][1]
+    where = KERNELS[kernel][1]
     module, function = where.rsplit(".", 1)
     reference = getattr(import_module(f"pagedlab.kernels.{module}"), function)
     takes = set(inspect.signature(reference).parameters)
