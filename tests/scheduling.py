@@ -12,8 +12,9 @@ def make(num_blocks=8, block_size=4, num_cpu_blocks=0, **config):
                      SchedulerConfig(**config))
 
 
-def run_step(sched, token=7):
+def run_step(sched, token=7, drafter=None):
     """One step in which every live sequence samples ``token`` (all ``n`` samples of a prompt's
-    step included); the step and the groups it finished."""
-    step, _, finished = run_one_step(sched, Placeholders(token))
+    step included), then ``drafter``'s proposals for the next; the step and the groups it
+    finished."""
+    step, _, finished = run_one_step(sched, Placeholders(token), drafter=drafter)
     return step, finished

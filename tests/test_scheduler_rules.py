@@ -337,11 +337,14 @@ def test_a_verification_chunk_reads_its_cached_tokens_not_its_own():
     feature count it the same way."""
     from pagedlab.sim.calibration import features, step_shape
 
-    sched = make(num_blocks=16, watermark=0.0, speculative_config={"num_speculative_tokens": 3})
+    from pagedlab.engine.speculative import Drafter, NgramProposer
+
+    sched = make(num_blocks=16, watermark=0.0)
+    drafter = Drafter(NgramProposer(1, 4), num_speculative_tokens=3)
     sched.add_request("a", [1, 2, 3, 1, 2, 3, 1], SamplingParams(max_tokens=8))
     sched.add_request("b", [10, 11, 12, 13], SamplingParams(max_tokens=4))
-    run_step(sched, token=2)  # both prompts; a's is now 1 2 3 1 2 3 1 2, b's 10 11 12 13 2
-    step, _ = run_step(sched, token=2)
+    run_step(sched, 2, drafter)  # both prompts; a's is now 1 2 3 1 2 3 1 2, b's 10 11 12 13 2
+    step, _ = run_step(sched, 2, drafter)
     assert [(c.start, c.num_tokens, c.draft) for c in step.decodes] == [
         (7, 1 + 3, [3, 1, 2]),  # a: "1 2" was followed by 3 1 2
         (4, 1, []),  # b: "2" has no earlier match, nothing to propose
