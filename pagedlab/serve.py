@@ -513,6 +513,9 @@ class Server(uvicorn.Server):
             await super().shutdown(sockets)
         finally:
             await engine.shutdown()
+            # its worker processes too (tensor parallelism), before uvicorn re-raises the
+            # signal that stopped it, which ends this process without running its finally
+            engine.llm.shutdown()
 
 
 def parser() -> argparse.ArgumentParser:

@@ -283,12 +283,11 @@ def test_a_client_that_disconnects_gives_its_blocks_back(server):
     assert llm.aborted[before:] == [request_id]  # aborted, not run to its 200 tokens
 
 
-def test_python_m_pagedlab_serve_starts_answers_and_stops_on_sigterm():
-    """The README's server command: SmolLM2 by default, answering the openai client; SIGTERM
-    with two streams in flight (the review's row 79: it waited for them) ends them at once,
-    each with an error event and [DONE], and the process cleanly."""
+@contextlib.contextmanager
+def served(*flags, up_within: float = 180):
+    """``python -m pagedlab.serve`` (SmolLM2, a small CPU cache) on a free port with ``flags``,
+    once its /health answers: (the process, its URL). Killed on the way out if still running."""
     import os
-    import signal
     import subprocess
     import sys
 
@@ -301,11 +300,11 @@ def test_python_m_pagedlab_serve_starts_answers_and_stops_on_sigterm():
         port = probe.getsockname()[1]
     env = {**os.environ, "PAGEDLAB_CPU_KVCACHE_SPACE": "0.1"}
     proc = subprocess.Popen([sys.executable, "-m", "pagedlab.serve", "--port", str(port),
-                             "--max-num-seqs", "4"], env=env, stdout=subprocess.PIPE,
+                             "--max-num-seqs", "4", *flags], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + up_within
         while True:
             assert proc.poll() is None, proc.stdout.read()
             try:
@@ -315,6 +314,20 @@ def test_python_m_pagedlab_serve_starts_answers_and_stops_on_sigterm():
                 pass
             assert time.monotonic() < deadline, "the server did not come up"
             time.sleep(0.5)
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_python_m_pagedlab_serve_starts_answers_and_stops_on_sigterm():
+    """The README's server command: SmolLM2 by default, answering the openai client; SIGTERM
+    with two streams in flight (the review's row 79: it waited for them) ends them at once,
+    each with an error event and [DONE], and the process cleanly."""
+    import signal
+
+    with served() as (proc, url):
         (model,) = client(url).models.list().data
         reply = client(url).chat.completions.create(
             model=model.id, messages=[{"role": "user", "content": "What is 2 + 2?"}],
@@ -331,7 +344,6 @@ def test_python_m_pagedlab_serve_starts_answers_and_stops_on_sigterm():
                 lines = stream.result()
                 assert lines[-1] == "[DONE]" and json.loads(lines[-2])["error"]["code"] == 503
                 assert len(lines) < 150  # ended, not drained to its 150 tokens
-    finally:
         proc.send_signal(signal.SIGTERM)
         output = proc.communicate(timeout=60)[0]
     # uvicorn shuts the app down (the engine's loop stopped, its requests aborted), then exits
@@ -680,35 +692,11 @@ def test_the_server_answers_at_tensor_parallelism_three_and_its_workers_end_with
     """``python -m pagedlab.serve --tensor-parallel-size 3``: SmolLM2 split over three
     processes answers the openai client as one process does (greedy); on SIGTERM the server
     exits cleanly and takes its two worker processes with it."""
-    import os
     import signal
     import subprocess
-    import sys
 
-    try:
-        smollm2()
-    except ModelNotInstalled as missing:
-        pytest.skip(str(missing))
     question = [{"role": "user", "content": "What is the capital of France?"}]
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    env = {**os.environ, "PAGEDLAB_CPU_KVCACHE_SPACE": "0.1"}
-    proc = subprocess.Popen([sys.executable, "-m", "pagedlab.serve", "--port", str(port),
-                             "--max-num-seqs", "4", "--tensor-parallel-size", "3"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 240
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.5)
+    with served("--tensor-parallel-size", "3", up_within=240) as (proc, url):
         children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
                                   text=True).stdout.split()
         assert len(children) >= 2  # the two workers (and the spawn tracker)
@@ -717,10 +705,6 @@ def test_the_server_answers_at_tensor_parallelism_three_and_its_workers_end_with
                                                     temperature=0, max_tokens=8)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) in (0, -signal.SIGTERM), proc.stdout.read()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     with LLM(smollm2(), max_num_seqs=4, num_gpu_blocks=64) as one:
         alone = one.chat(question, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     assert reply.choices[0].message.content == alone[0].outputs[0].text
