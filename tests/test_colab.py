@@ -126,6 +126,11 @@ ROUNDING = {
 BY_WORDS = {
     "ch08_engine": {"tpot_ms", "triton_vs_reference", "ttft_ms"},
     "ch10_reproducing_the_paper": {"val_step_bias"},
+    # a step's compute and all-reduces timed across three processes on a shared CPU, and the
+    # loopback link fitted to a microbenchmark of them: the neighbours' load is in every one
+    "ch14_tensor_parallelism": {"cpu_comm_3", "cpu_comm_share", "cpu_compute_3", "cpu_pred",
+                                "cpu_ratio", "cpu_step_1", "cpu_step_3", "cpu_vs_nvlink",
+                                "lo_bw", "lo_lat"},
     "ch13_serving_online": {"capacity", "e2e_ratio", "ex2_good", "ex2_goodput", "ex2_rate",
                             "ex2_slow_tpot", "ex2_slow_ttft", "ex2_times", "p99_128",
                             "p99_2048", "peak_kv", "peak_running", "rate", "run_s", "tpot_ratio",
