@@ -76,7 +76,7 @@ mutation: $(READY)
 
 # Every randomized test (`pytest -m randomized`: Hypothesis tests, and tests that pick their own
 # seeds) under seeds 0 to 29, one pytest run per seed (tools/seeds.py). Not part of `make test`:
-# about 15 minutes on 2 cores. Results in tests/MUTATION.md.
+# 21 minutes on 2 cores shared with other work (2026-12-05). Results in tests/MUTATION.md.
 seeds: $(READY)
 	nice -n 10 $(BIN)/python tools/seeds.py --seeds 0:30
 
