@@ -170,17 +170,23 @@ class KVCacheManager:
         bs = self.block_size
         if not any(seq_id in self._running for seq_id in num_tokens):
             return shared // bs + sum(cdiv(n - shared, bs) for n in num_tokens.values())
-        need, sharers = 0, {}
-        for seq_id, n in num_tokens.items():
-            table = self._table(seq_id)
+        tables = [self._table(seq_id) for seq_id in num_tokens]
+        return self._append_need(tables, list(num_tokens.values()), self.gpu)
+
+    def _append_need(self, tables: list[BlockTable], counts: list[int],
+                     pool: BlockAllocator) -> int:
+        """Blocks that appending ``counts[i]`` tokens to each of ``tables`` (one group, in this
+        order, their blocks in ``pool``) takes: the blocks the tokens fill, and a copy of each
+        shared, partly filled last block for each of its sharers but the last to append."""
+        bs, need, sharers = self.block_size, 0, {}
+        for table, n in zip(tables, counts):
             held = len(table.token_ids)
             need += cdiv(held + n, bs) - cdiv(held, bs)
             if held % bs:
                 last = table.blocks[-1]
                 sharers[last] = sharers.get(last, 0) + 1
-        for block, count in sharers.items():
-            need += count - (self.gpu.refcount(block) == count)
-        return need
+        return need + sum(count - (pool.refcount(block) == count)
+                          for block, count in sharers.items())
 
     def allocate_slots(self, token_ids: Mapping[Hashable, Sequence[int]], *, keep_free: int = 0,
                        num_speculative: int = 0, shared: int = 0,
@@ -409,14 +415,9 @@ class KVCacheManager:
     def blocks_to_swap_in(self, *seq_ids: Hashable) -> int:
         """GPU blocks that bringing swapped-out sequences back and decoding each one token
         takes (each shared block once, copy-on-write as :meth:`blocks_needed` counts it)."""
-        need, sharers = len(self._distinct_blocks(seq_ids, self._swapped)), {}
-        for seq_id in seq_ids:
-            table = self._swapped[seq_id]
-            if len(table.token_ids) % self.block_size == 0:
-                need += 1
-            else:
-                sharers[table.blocks[-1]] = sharers.get(table.blocks[-1], 0) + 1
-        return need + sum(n - (self.cpu.refcount(b) == n) for b, n in sharers.items())
+        back = len(self._distinct_blocks(seq_ids, self._swapped))
+        tables = [self._swapped[seq_id] for seq_id in seq_ids]
+        return back + self._append_need(tables, [1] * len(tables), self.cpu)
 
     def swap_in(self, *seq_ids: Hashable, keep_free: int | None = None
                 ) -> list[tuple[int, int]] | None:
