@@ -136,9 +136,7 @@ def worker_loop(rank: int, world: int, init_method: str, timeout: float, build: 
     """A worker rank's life: join the group, build its shard and cache, then run every step
     rank 0 sends until it sends None. ``progress[rank]`` counts the steps received, so rank 0
     can tell which rank a stalled step waits for."""
-    backend = "nccl" if build["device"].startswith("cuda") else "gloo"
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout))
+    _join(build["device"], init_method, rank, world, timeout)
     from pagedlab.engine.runner import ModelRunner
 
     model = build_shard(build["args"], build["state"], rank, world, build["kernels"],
@@ -155,6 +153,22 @@ def worker_loop(rank: int, world: int, init_method: str, timeout: float, build: 
             runner.execute(box[0])
     finally:
         dist.destroy_process_group()
+
+
+def _join(device: str, init_method: str, rank: int, world: int, timeout: float) -> None:
+    """Join the group of ``world`` ranks as ``rank``: NCCL on CUDA, gloo on a CPU."""
+    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
+                            init_method=init_method, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout))
+
+
+def _end(procs) -> None:
+    """Wait a little for each process to leave, then kill it: none is left running."""
+    for proc in procs:
+        proc.join(timeout=5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
 
 
 def _free_port() -> int:
@@ -196,9 +210,7 @@ class TensorParallelExecutor:
         for worker in self.workers:
             worker.start()
         try:
-            dist.init_process_group("nccl" if model.device.type == "cuda" else "gloo",
-                                    init_method=init_method, rank=0, world_size=world,
-                                    timeout=datetime.timedelta(seconds=timeout))
+            _join(str(model.device), init_method, 0, world, timeout)
         except Exception as error:
             raise self._failure(error) from error
         self.closed = False
@@ -240,11 +252,7 @@ class TensorParallelExecutor:
             except Exception:  # noqa: BLE001  (a rank is gone: it is killed below)
                 pass
         self.closed = True
-        for worker in self.workers:
-            worker.join(timeout=5)
-            if worker.is_alive():
-                worker.kill()
-                worker.join()
+        _end(self.workers)
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -288,11 +296,7 @@ def measure_allreduce(world: int, sizes, repeats: int = 20,
     try:
         return results.get(timeout=timeout)
     finally:
-        for proc in procs:
-            proc.join(timeout=5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+        _end(procs)
 
 
 __all__ = ["RowParallelLinear", "TensorParallelExecutor", "WorkerFailed", "build_shard",
