@@ -15,6 +15,7 @@ from pagedlab.engine import (
     SchedulerConfig,
     SequenceOutput,
 )
+from pagedlab.engine.step import Placeholders, drive
 from pagedlab.memory import KVCacheManager
 
 
@@ -22,6 +23,18 @@ def add(sched, rid, prompt_len, max_tokens=4, n=1, stop=()):
     return sched.add_request(rid, list(range(1, prompt_len + 1)),
                              SamplingParams(n=n, max_tokens=max_tokens, seed=0),
                              stop_token_ids=stop)
+
+
+def test_drive_runs_every_request_to_its_end_with_the_executor_it_is_given():
+    """Without an executor every sequence samples token 0; with one, that executor's token."""
+    for executor, token in ((None, 0), (Placeholders(5), 5)):
+        sched = make()
+        add(sched, "a", 6, max_tokens=3)
+        add(sched, "b", 2, max_tokens=2)
+        steps = drive(sched, executor)
+        outputs = {c.seq.seq_id: c.seq.output_token_ids for s in steps for c in s.chunks}
+        assert sorted(outputs.values()) == [[token] * 2, [token] * 3]
+        assert len(steps) == 3 and sched.manager.num_free_blocks == 8
 
 
 # --- configuration and requests -------------------------------------------------------------

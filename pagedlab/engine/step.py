@@ -200,11 +200,11 @@ class Placeholders:
         return StepOutput(self.outputs(step))
 
 
-def drive(scheduler, executor: Executor | None = None, drafter=None) -> list[Step]:
+def drive(scheduler, executor: Executor | None = None) -> list[Step]:
     """Run ``scheduler`` until no request is left (with :class:`Placeholders` by default);
     return its steps."""
     executor = executor or Placeholders()
     steps = []
     while scheduler.has_unfinished:
-        steps.append(run_step(scheduler, executor, drafter=drafter)[0])
+        steps.append(run_step(scheduler, executor)[0])
     return steps
