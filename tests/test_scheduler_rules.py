@@ -369,6 +369,19 @@ def test_a_verification_chunk_reads_its_cached_tokens_not_its_own():
         "kv_tokens_read"] == 7 + (4 + 1)
 
 
+def test_a_sequence_with_one_token_left_gets_no_guesses():
+    """The target's own token is the last one the request may have, so a guess would pass
+    max_tokens: the drafter leaves the sequence none (and two tokens left allow one guess)."""
+    from pagedlab.engine.speculative import Drafter, NgramProposer
+
+    sched = make(num_blocks=16, watermark=0.0)
+    drafter = Drafter(NgramProposer(1, 4), num_speculative_tokens=3)
+    sched.add_request("a", [2, 2, 2, 2], SamplingParams(max_tokens=2))  # a run: always a guess
+    sched.add_request("b", [2, 2, 2, 2], SamplingParams(max_tokens=3))
+    run_step(sched, 2, drafter)  # the prompts; each has one output token
+    assert [g.seqs[0].spec_token_ids for g in sched.running] == [[], [2]]
+
+
 @pytest.mark.parametrize("plen, prefills", [
     # a prompt shorter than a block: nothing to share, each sample recomputes all its tokens
     (2, [(0, 5), (0, 5)]),

@@ -48,6 +48,35 @@ def test_ngram_prefers_the_longest_match():
     assert NgramProposer(3, 3).propose(tokens, 1) == []  # no 3-gram recurs
 
 
+def test_ngram_defaults_look_from_4_grams_down_to_1_grams():
+    """vLLM's prompt_lookup_min/max defaults as the proposer's (1 and 4); and the match that
+    ends right before the last token counts (a 1-gram in a context of two tokens)."""
+    five_then_four = [1, 2, 3, 4, 5, 10, 9, 2, 3, 4, 5, 20, 1, 2, 3, 4, 5]
+    assert NgramProposer().propose(five_then_four, 1) == [20]  # the 4-gram, not the 5-gram
+    assert NgramProposer(1, 5).propose(five_then_four, 1) == [10]
+    assert NgramProposer().propose([6, 8, 6], 2) == [8, 6]  # a 1-gram is enough
+    assert NgramProposer().propose([3, 3], 3) == [3, 3, 3]
+
+
+@pytest.mark.parametrize("fields, error, message", [
+    (dict(num_speculative_tokens=2.5), ValueError, r"num_speculative_tokens=2.5 must be an int"),
+    (dict(prompt_lookup_max=3.0), ValueError, r"prompt_lookup_max=3.0 must be an int"),
+    (dict(prompt_lookup_min=3, prompt_lookup_max=2), ValueError,
+     r"^prompt_lookup_min=3 must be at most prompt_lookup_max=2$"),
+    (dict(method="draft_model"), ValueError, r"^speculative method 'draft_model' needs draft_lay"),
+    (dict(method="draft_model", draft_layers=1.5), ValueError, r"draft_layers=1.5 must be an int"),
+])
+def test_a_bad_speculative_config_is_named(fields, error, message):
+    with pytest.raises(error, match=message):
+        SpeculativeConfig(**fields)
+
+
+def test_speculative_config_edges_are_allowed_and_a_wrong_type_is_named():
+    assert SpeculativeConfig(prompt_lookup_min=3, prompt_lookup_max=3).prompt_lookup_min == 3
+    with pytest.raises(TypeError, match=r"^speculative_config=5 must be a dict or Speculat"):
+        SpeculativeConfig.of(5)
+
+
 def test_speculative_config_takes_vllms_dict_and_names_bad_fields():
     config = SpeculativeConfig.of({"method": "ngram", "num_speculative_tokens": 3,
                                    "prompt_lookup_max": 5})
