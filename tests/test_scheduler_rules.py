@@ -369,6 +369,20 @@ def test_a_verification_chunk_reads_its_cached_tokens_not_its_own():
         "kv_tokens_read"] == 7 + (4 + 1)
 
 
+def test_a_recomputed_victim_has_no_computed_tokens_left():
+    """Preempted by recomputation, a sequence's blocks are freed, so none of its tokens has its
+    keys and values cached: its progress goes back to 0 (and its next start recomputes all)."""
+    sched = make(num_blocks=4, watermark=0.0)
+    add(sched, "a", 4, max_tokens=8)
+    add(sched, "b", 4, max_tokens=8)
+    victim = None
+    while victim is None:
+        step, _ = run_step(sched)
+        victim = next((g for g, mode in step.preempted if mode == "recompute"), None)
+    assert victim.status is GroupStatus.WAITING
+    assert [s.num_computed_tokens for s in victim.live] == [0]
+
+
 def test_a_sequence_with_one_token_left_gets_no_guesses():
     """The target's own token is the last one the request may have, so a guess would pass
     max_tokens: the drafter leaves the sequence none (and two tokens left allow one guess)."""
@@ -478,12 +492,13 @@ def test_after_a_recomputed_prompt_too_big_for_the_budget_nobody_is_admitted():
 
 
 def test_a_stop_check_ends_the_sequence_it_reads_with_the_string_it_found():
-    """The engine sets ``stop_check`` for stop strings: it reads the sequence after each token
+    """The engine passes ``stop_check`` for stop strings: it reads the sequence after each token
     and returns the string that ended it, or None."""
     sched = make(num_blocks=8, watermark=0.0)
-    group = add(sched, "a", 2, max_tokens=10, n=2)
-    group.stop_check = lambda seq: "halt" if seq.index == 1 and len(seq.output_token_ids) == 2 \
-        else None
+    group = sched.add_request(
+        "a", [1, 2], SamplingParams(n=2, max_tokens=10, seed=0),
+        stop_check=lambda seq: "halt" if seq.index == 1 and len(seq.output_token_ids) == 2
+        else None)
     while sched.has_unfinished:
         run_step(sched)
     stopped, ran = sorted(group.seqs, key=lambda s: s.index, reverse=True)
