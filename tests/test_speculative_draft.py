@@ -207,6 +207,49 @@ def test_a_full_draft_pool_proposes_nothing_rather_than_fail(case):
     assert small.manager.num_free_blocks == 3
 
 
+def test_the_draft_pool_fills_exactly_and_a_sequence_too_big_skips_only_itself(case):
+    """Blocks are counted exactly: a pool with just the blocks a sequence's context and its
+    guesses need drafts it; a sequence that does not fit is passed over, and the next one,
+    which fits, still gets its guesses."""
+    k, bs = 3, 4
+    long_seq, short_seq = Sequence(0, list(range(1, 15))), Sequence(1, [5, 6, 7, 8, 9])
+    need = cdiv(len(short_seq) + k - 1, bs)  # its context and k - 1 guesses' keys and values
+    draft = DraftModelProposer(early_exit(case["model"], 1), bs, need)
+    guesses = draft.propose_all([long_seq, short_seq], k)
+    assert list(guesses) == [1] and len(guesses[1]) == k
+    assert draft.manager.num_free_blocks == 0 and draft.num_forward_passes == k  # 1 + k - 1
+
+
+def test_the_draft_keeps_the_accepted_guesses_and_computes_only_what_is_new(case):
+    """After a verification that accepted some guesses, the draft's cache keeps their keys and
+    values: the next catch-up pass runs only the target's own token (and, all rejected,
+    only that one after the context)."""
+    k = 4
+    for accepted in range(k):
+        draft = DraftModelProposer(early_exit(case["model"], 1), 4, 32)
+        seq = Sequence(0, list(case["prompts"][0]))
+        guesses = draft.propose_all([seq], k)[0]
+        for token in guesses[:accepted] + [(guesses[accepted] + 1) % 50]:  # then a rejection
+            seq.append(token, 0.0)
+        caught_up = []
+        forward = draft._forward
+        draft._forward = lambda step: (caught_up.append([c.num_tokens for c in step.prefills]),
+                                       forward(step))[1]
+        draft.propose_all([seq], k)
+        assert caught_up[0] == [1], (accepted, caught_up[0])
+
+
+def test_early_exit_keeps_the_targets_kernels_and_names_a_bad_depth(case):
+    model = from_hf(case["hf"])
+    model.kernels = "triton"
+    assert early_exit(model, 4).kernels == "triton"  # all of the target's 4 layers is allowed
+    with pytest.raises(ValueError, match=r"^draft_layers=1.5 must be an integer"):
+        early_exit(model, 1.5)
+    with pytest.raises(ValueError, match=r"^draft_layers=5 must be at most the target's 4 "
+                                         r"layers$"):
+        early_exit(model, 5)
+
+
 # --- sampling ----------------------------------------------------------------------------------
 
 def chi2_critical(dof: int, z: float = 3.09) -> float:

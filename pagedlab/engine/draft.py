@@ -96,7 +96,7 @@ class DraftModelProposer(Proposer):
             decodes = []
             for seq_id, (_, t) in tokens.items():
                 t.append(guesses[seq_id])
-                m.append(seq_id, t[-1:], num_speculative=1)
+                m.append(seq_id, t[-1:])
                 decodes.append(Chunk.of(m, Sequence(seq_id, t), len(t) - 1, 1))
             guesses = self._forward(Step(decodes=decodes))
         return {seq_id: t[len(t) - k + 1:] + [guesses[seq_id]] for seq_id, (_, t) in tokens.items()}
