@@ -383,6 +383,47 @@ def test_a_recomputed_victim_has_no_computed_tokens_left():
     assert [s.num_computed_tokens for s in victim.live] == [0]
 
 
+@pytest.mark.parametrize("chunked, need", [(True, 2), (False, 4)])
+def test_a_request_needs_the_blocks_of_its_first_chunk_to_start(chunked, need):
+    """What the scheduler reports (CacheTooSmall) for a queue's head that can never start:
+    with chunked prefill the blocks of its first chunk, the budget's 8 tokens (2 blocks of 4);
+    without, all 13 of its tokens (4 blocks)."""
+    sched = make(num_blocks=8, chunked_prefill=chunked, max_num_batched_tokens=8, max_num_seqs=4)
+    group = add(sched, "a", 13)
+    assert sched._blocks_to_start(group) == need
+
+
+def test_a_recomputed_fork_needs_its_shared_prompt_once_and_all_its_tokens_to_start():
+    """A forked group back in the queue restarts unchunked (rule 5): the prompt's full blocks
+    once, then each sample's own tokens, whatever the budget."""
+    sched = make(num_blocks=6, watermark=0.0, chunked_prefill=True, max_num_batched_tokens=4,
+                 max_num_seqs=4)
+    add(sched, "a", 4, max_tokens=20)
+    fork = add(sched, "f", 5, max_tokens=20, n=2)
+    while fork.status is not GroupStatus.WAITING or len(fork.live) < 2:
+        run_step(sched)
+    lens = [len(s) for s in fork.live]
+    assert sched._blocks_to_start(fork) == 4 // 4 + sum(-(-(n - 4) // 4) for n in lens)
+
+
+def test_a_recomputed_fork_restarts_only_above_the_watermark():
+    """Rule 3 holds for a forked group's return as for any admission. Recomputed at 13 tokens
+    a sample, it needs its 2 shared prompt blocks and 2 of its own per sample: 6, the whole
+    cache, where admission keeps 1 free; it fails, naming the numbers, rather than restart."""
+    sched = make(num_blocks=6, watermark=0.2, max_num_seqs=4)
+    sched.add_request("a", [1, 2], SamplingParams(max_tokens=8, seed=0))
+    fork = add(sched, "f", 8, max_tokens=8, n=2)
+    modes = []
+    while sched.has_unfinished:
+        step, _ = run_step(sched)
+        modes += [mode for g, mode in step.preempted if g is fork]
+        assert not (modes and any(c.seq in fork.seqs for c in step.prefills)), "restarted"
+    assert modes == ["recompute"] and [s.finish_reason for s in fork.seqs] == ["error"] * 2
+    assert str(fork.error) == ("request 'f' needs 6 blocks of 4 tokens to go on; the cache has "
+                               "6, of which admission keeps 1 free: give it more blocks or "
+                               "fewer tokens")
+
+
 def test_a_sequence_with_one_token_left_gets_no_guesses():
     """The target's own token is the last one the request may have, so a guess would pass
     max_tokens: the drafter leaves the sequence none (and two tokens left allow one guess)."""
