@@ -1,7 +1,9 @@
 """Timed replay, calibration and validation: metrics worked out by hand on a tiny trace under an
 injected clock, the fit against known constants, the simulator against an exact replay."""
 
+import dataclasses
 import math
+
 import numpy as np
 import pytest
 
@@ -214,6 +216,46 @@ def test_fitted_model_prices_steps_and_swaps_as_a_cost_model_does():
                        kv_bytes_per_token=1, swap_bandwidth=1.0)
 
 
+@pytest.mark.parametrize("call, message", [
+    (lambda fit: fit.swap_time(-1, 16), r"^num_blocks=-1 must be >= 0$"),
+    (lambda fit: fit.swap_time(1.5, 16), r"^num_blocks=1.5 must be an integer$"),
+    (lambda fit: fit.swap_time(1, 0), r"^block_size=0 must be > 0$"),
+    (lambda fit: fit.swap_time(1, 2.0), r"^block_size=2.0 must be an integer$"),
+    (lambda fit: fit.kv_capacity_tokens(), r"^a FittedCostModel knows no GPU memory: give the "
+                                           r"simulator the measured engine's num_gpu_blocks$"),
+])
+def test_a_fitted_model_names_what_it_cannot_price(call, message):
+    with pytest.raises(ValueError, match=message):
+        call(FittedCostModel(0.01, {}, 1000, 1e6))
+    assert FittedCostModel(0.01, {}, 1000, 1e6).swap_time(0, 16) == 0  # nothing to copy
+
+
+def test_the_fit_needs_one_step_more_than_its_features_and_keeps_its_byte_prices():
+    """A constant and one feature need two steps; the fitted model prices a swap by the
+    bytes per token and the bandwidth it was given. A prefill with no cached tokens given
+    starts from 0: 3 tokens attend to 1 + 2 + 3 keys."""
+    one = [StepTiming(0, 0.01, StepShape((1,), (0,), ()))]
+    with pytest.raises(ValueError, match=r"^1 steps cannot fit 2 constants$"):
+        fit_cost_model(one, ("prefill_tokens",), kv_bytes_per_token=1, swap_bandwidth=1.0)
+    two = one + [StepTiming(0, 0.03, StepShape((3,), (0,), ()))]
+    fit = fit_cost_model(two, ("prefill_tokens",), kv_bytes_per_token=100, swap_bandwidth=1e4)
+    assert (fit.constant, fit.coefficients["prefill_tokens"]) == pytest.approx((0.0, 0.01))
+    assert fit.swap_time(2, 8) == pytest.approx(2 * 8 * 100 / 1e4)
+    assert features([3], [])["attention_pairs"] == 1 + 2 + 3
+
+
+def test_a_price_below_zero_for_the_first_feature_is_zero_too():
+    """Non-negativity holds for every feature, the first after the constant included: steps
+    whose time falls as decodes rise are fitted with a zero price for decodes."""
+    shapes = [StepShape((p,), (0,), (8,) * d) for p in (2, 4, 6) for d in (1, 2, 3)]
+    times = [0.05 + 0.001 * sum(s.prefill_lens) - 0.002 * len(s.decode_lens) for s in shapes]
+    fit = fit_cost_model([StepTiming(0, t, s) for t, s in zip(times, shapes)],
+                         ("decode_seqs", "prefill_tokens"), kv_bytes_per_token=1,
+                         swap_bandwidth=1.0)
+    assert fit.coefficients["decode_seqs"] == 0
+    assert fit.coefficients["prefill_tokens"] == pytest.approx(0.001)
+
+
 def test_profile_covers_prefills_decodes_and_mixed_steps():
     llm = LLM(from_hf(tiny_hf("llama-mha-d32")), block_size=4, num_gpu_blocks=64)
     steps = profile(llm, batch_sizes=(1, 4), prompt_lens=(3, 9), output_len=3)
@@ -223,6 +265,23 @@ def test_profile_covers_prefills_decodes_and_mixed_steps():
     assert max(s.batch for s in steps) == 4
     assert all(s.duration > 0 for s in steps)
     assert not llm.has_unfinished_requests()
+
+
+def test_profile_times_on_its_clock_runs_every_request_to_its_length_and_skips_the_warmup():
+    llm = LLM(from_hf(tiny_hf("llama-mha-d32")), block_size=4, num_gpu_blocks=64)
+    vocab = llm.model.args.vocab_size
+    llm.model.args = dataclasses.replace(llm.model.args, eos_token_ids=tuple(range(vocab)))
+    ticks = iter(range(10**6))
+    steps = profile(llm, batch_sizes=(2,), prompt_lens=(5,), output_len=4,
+                    clock=lambda: next(ticks))
+    assert {s.duration for s in steps} == {1}  # one tick between each step's two readings
+    assert 8 not in {s.feature("prefill_tokens") for s in steps}  # the warmup's 8 tokens
+    sampled = sum(s.feature("decode_seqs") + s.feature("prefill_seqs") for s in steps)
+    assert sampled == 2 * 4  # each request's 4 tokens, though every token is an end token
+    with pytest.raises(ValueError, match=r"^output_len=0 must be > 0$"):
+        profile(llm, output_len=0)
+    with pytest.raises(ValueError, match=r"^output_len=2.5 must be an integer$"):
+        profile(llm, output_len=2.5)
 
 
 def test_a_cpu_clock_counts_work_and_skipped_sleep_but_not_waiting():
