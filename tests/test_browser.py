@@ -513,6 +513,18 @@ def test_code_keeps_its_lines_and_scrolls_on_a_phone(server, browser):
 
 
 @pytest.mark.parametrize("chapter", sorted((ROOT / "book").glob("ch*.md")), ids=lambda p: p.stem)
+def test_the_notebook_download_is_the_colab_copy(chapter):
+    """The ".ipynb" download button gives the notebook the Colab button opens, the clean copy
+    `book/chNN.ipynb`, not the MyST source as a notebook (review 2026-12-04, row 8;
+    book/_ext/pagedlab_downloads.py)."""
+    page = BUILT / "book" / f"{chapter.stem}.html"
+    links = re.findall(r'<a href="([^"]+\.ipynb)"[^>]*download-notebook-button', page.read_text())
+    assert links == [f"../_sources/book/{chapter.stem}.ipynb"], links
+    download = (page.parent / links[0]).resolve()
+    assert download.read_bytes() == chapter.with_suffix(".ipynb").read_bytes()
+
+
+@pytest.mark.parametrize("chapter", sorted((ROOT / "book").glob("ch*.md")), ids=lambda p: p.stem)
 def test_every_glossary_link_of_a_chapter_lands_on_an_entry(chapter):
     """A {term} link must open the glossary at its entry, not at the page's top."""
     html = (BUILT / "book" / f"{chapter.stem}.html").read_text()
