@@ -14,3 +14,20 @@ document.addEventListener("DOMContentLoaded", () => {
     }
   }
 });
+
+// Punctuation stays on the line of the formula it follows (review 2026-12-04, row 14): the
+// theme makes each inline formula a box (`span.math`, inline-flex), and Chromium may break the
+// line between that box and the "." after it, which then starts the next line. The formula and
+// the punctuation right after it go into one span that does not wrap (pagedlab.css).
+document.addEventListener("DOMContentLoaded", () => {
+  for (const math of document.querySelectorAll("main span.math")) {
+    const next = math.nextSibling;
+    const mark = next && next.nodeType === Node.TEXT_NODE && next.data.match(/^[.,;:!?)\]]+/);
+    if (!mark) continue;
+    next.splitText(mark[0].length);  // `next` is now the punctuation alone
+    const keep = document.createElement("span");
+    keep.className = "pagedlab-nowrap";
+    math.replaceWith(keep);
+    keep.append(math, next);
+  }
+});

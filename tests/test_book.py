@@ -265,3 +265,26 @@ def test_equal_author_years_are_told_apart_past_z():
     assert [y for _, y in labels[:28]] == [f"2025{c}" for c in "abcdefghijklmnopqrstuvwxyz"] + [
         "2025aa", "2025ab"]
     assert labels[28] == ("Kwon", "2023")
+
+
+def test_the_notebook_download_is_replaced_by_the_colab_copy(tmp_path):
+    """book/_ext/pagedlab_downloads.py, on a built book's layout: a notebook the theme offers
+    for download (`_sources/<page>.ipynb`, the MyST source as a notebook) becomes the Colab copy
+    beside the page's source; one with no copy there is left as it is. The book registers it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("pagedlab_downloads",
+                                                  ROOT / "book/_ext/pagedlab_downloads.py")
+    downloads = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(downloads)
+    src, out = tmp_path / "src", tmp_path / "html"
+    (src / "book").mkdir(parents=True)
+    (out / "_sources" / "book").mkdir(parents=True)
+    (src / "book" / "ch01.ipynb").write_text("the Colab copy")
+    (out / "_sources" / "book" / "ch01.ipynb").write_text("{glue:text}`raw`")
+    (out / "_sources" / "book" / "other.ipynb").write_text("no copy beside its source")
+    downloads.use_colab_copies(src, out)
+    assert (out / "_sources" / "book" / "ch01.ipynb").read_text() == "the Colab copy"
+    assert (out / "_sources" / "book" / "other.ipynb").read_text() == "no copy beside its source"
+    config = yaml.safe_load((ROOT / "_config.yml").read_text())["sphinx"]
+    assert config["local_extensions"]["pagedlab_downloads"] == "book/_ext"

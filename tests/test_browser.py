@@ -2,10 +2,13 @@
 Chromium (Debian's `chromium`; `.ci/run` installs it), served over local HTTP.
 
 A page fails on a console error or an uncaught exception, on a block player whose frame stays
-put when its controls are used, and on anything a reader cannot see at 1280 px: a table, a
-code or output block (`pre`, a source listing) or a displayed equation wider than its box,
-whether cut off or scrolled sideways (a scrollbar hides what the prose quotes); a figure whose
-text shows under 9 px. At 400 px a page must not scroll sideways, and an SVG figure's text (a
+put when its controls are used, and on anything a reader cannot see at 1280 px: a table, an
+output block (`pre`) or a formula wider than its box, whether cut off or scrolled sideways (a
+scrollbar hides what the prose quotes); a figure whose text shows under 9 px. Code (an input
+cell, a source listing, code in the prose) keeps its lines at any width: a line wider than its
+box scrolls sideways, since a wrap splits tokens and loses the indentation. At either width
+punctuation after a formula stays on the formula's line. At 400 px a page must not scroll
+sideways, no formula is cut off (a wide one scrolls in its box), and an SVG figure's text (a
 block view's) must still show at 9 px or more, in a box that scrolls sideways if need be.
 Collapsed outputs are opened before they are measured. The scripts a page loads from a CDN
 (MathJax, require.js, the widget manager) are served from the same versions' npm packages,
@@ -145,19 +148,29 @@ MEASURE_JS = """async ({layout, pngs}) => {
     else if (t.getBoundingClientRect().right > right + 1)
       found.push(["table", label(t), `${Math.round(t.getBoundingClientRect().right - right)} px past the column`]);
   }
-  for (const p of layout ? document.querySelectorAll("main pre, main .pagedlab-source") : []) {
+  for (const p of layout ? document.querySelectorAll("main pre") : []) {
+    // code (all but a cell's printed output) keeps its lines and may scroll; output must fit
     if (!shown(p)) continue;
-    if (wide(p)) found.push([p.closest(".cell_input") ? "code" : "output", label(p),
-                             `${p.scrollWidth - p.clientWidth} px wider than its box`]);
+    const style = getComputedStyle(p);
+    if (p.closest(".output") && !p.closest(".pagedlab-source")) {
+      if (wide(p))
+        found.push(["output", label(p), `${p.scrollWidth - p.clientWidth} px wider than its box`]);
+    } else if (style.whiteSpace !== "pre") {
+      found.push(["code", label(p), `wraps its lines (white-space: ${style.whiteSpace})`]);
+    } else if (wide(p) && !["auto", "scroll"].includes(style.overflowX)) {
+      found.push(["code", label(p), `${p.scrollWidth - p.clientWidth} px cut off`]);
+    }
   }
-  for (const m of layout ? document.querySelectorAll("main mjx-container[display=true]") : []) {
-    // a displayed equation wider than the column runs past it, or scrolls inside its box
+  for (const m of layout ? document.querySelectorAll("main article mjx-container") : []) {
+    // a formula wider than the column runs past it, or scrolls inside its box (one in the
+    // page's contents, beside the column, is not measured against it)
     if (!shown(m)) continue;
     const box = m.parentElement;
     const over = Math.max(m.getBoundingClientRect().right - column.right,
                           m.scrollWidth - m.clientWidth, box.scrollWidth - box.clientWidth);
     const tex = window.MathJax?.startup?.document?.getMathItemsWithin(m)?.[0]?.math;
-    if (over > 1) found.push(["equation", (tex || label(m)).trim().slice(0, 70),
+    if (over > 1) found.push([m.hasAttribute("display") ? "equation" : "inline math",
+                              (tex || label(m)).trim().slice(0, 70),
                               `${Math.round(over)} px past its box`]);
   }
   const svgText = (svg, scale, what) => {
@@ -216,9 +229,10 @@ PAGE_SCROLL_JS = """() => {
     `${el.tagName.toLowerCase()}.${el.className}: ${(el.innerText || "").slice(0, 50)}`)];
 }"""
 
-# At a phone's width a displayed equation may be wider than the page, but its end must stay
-# reachable: inside a box that scrolls sideways, not one that clips it.
-CLIPPED_EQUATIONS_JS = """() => [...document.querySelectorAll("main mjx-container[display=true]")]
+# At a phone's width a formula, displayed or inline, may be wider than the page, but its end
+# must stay reachable: inside a box that scrolls sideways, not one that clips it (the theme
+# clipped inline math: review 2026-12-04, row 5).
+CLIPPED_MATH_JS = """() => [...document.querySelectorAll("main mjx-container")]
   .filter((m) => m.checkVisibility()).flatMap((m) => {
     const right = m.firstElementChild.getBoundingClientRect().right;
     for (let a = m; a && a !== document.body; a = a.parentElement) {
@@ -226,11 +240,26 @@ CLIPPED_EQUATIONS_JS = """() => [...document.querySelectorAll("main mjx-containe
       if (overflow === "auto" || overflow === "scroll") return [];
       if (overflow !== "visible" && right > a.getBoundingClientRect().right + 1) {
         const tex = window.MathJax?.startup?.document?.getMathItemsWithin(m)?.[0]?.math;
-        return [`equation "${(tex || "").trim().slice(0, 60)}": ${Math.round(right -
+        return [`${m.hasAttribute("display") ? "equation" : "inline math"} "${(tex || "")
+          .trim().slice(0, 60)}": ${Math.round(right -
           a.getBoundingClientRect().right)} px cut off`];
       }
     }
     return [];
+  })"""
+
+# Punctuation right after an inline formula that starts the next line (". An early exit"):
+# review 2026-12-04, row 14.
+STRANDED_PUNCTUATION_JS = """() => [...document.querySelectorAll("main span.math")]
+  .filter((m) => m.checkVisibility()).flatMap((m) => {
+    const next = m.nextSibling;
+    if (!next || next.nodeType !== Node.TEXT_NODE || !/^[.,;:!?)\\]]/.test(next.data)) return [];
+    const range = document.createRange();
+    range.setStart(next, 0);
+    range.setEnd(next, 1);
+    const mark = range.getBoundingClientRect(), math = m.getBoundingClientRect();
+    return mark.top < math.bottom - 1 ? [] :
+      [`"${next.data[0]}" after the formula "${m.textContent.slice(0, 50)}" starts a line`];
   })"""
 
 VISIBLE_FRAME_JS = """(player) => [...player.querySelectorAll('.pagedlab-frame')]
@@ -279,10 +308,11 @@ def check_page(page, url: str, measure: bool = True) -> list[str]:
     page.wait_for_function("!window.MathJax || !MathJax.startup || MathJax.startup.promise")
     page.evaluate("() => window.MathJax && MathJax.startup && MathJax.startup.promise")
     problems += [f"script from an unknown CDN: {u}" for u in external]
+    problems += page.evaluate(STRANDED_PUNCTUATION_JS)
     if not measure:  # the phone's width: only whether the page scrolls sideways
         if scroll := page.evaluate(PAGE_SCROLL_JS):
             problems.append(f"the page scrolls sideways: {scroll[0]} px wide; the widest: {scroll[1]}")
-        problems += page.evaluate(CLIPPED_EQUATIONS_JS)
+        problems += page.evaluate(CLIPPED_MATH_JS)
         # an SVG figure (a block view) keeps readable text: a box that scrolls, not a shrink
         problems += [f"{kind} {what!r}: {how}" for kind, what, how in
                      page.evaluate(MEASURE_JS, {"layout": False, "pngs": False})]
@@ -447,6 +477,51 @@ def test_the_contents_buttons_open_their_drawers_on_a_phone(server, browser):
         assert opened == {"primary": True, "secondary": True}, opened
     finally:
         page.close()
+
+
+# Each code block of the page (input cells, source listings) as [source lines, lines shown,
+# scrollable width, how far it scrolls]: the lines shown are the distinct tops of its text.
+CODE_LINES_JS = """() => [...document.querySelectorAll(".cell_input pre, .pagedlab-source pre")]
+  .filter((p) => p.checkVisibility()).map((p) => {
+    const range = document.createRange();
+    range.selectNodeContents(p);
+    const tops = new Set([...range.getClientRects()].map((r) => Math.round(r.top)));
+    p.scrollLeft = p.scrollWidth;
+    return [p.textContent.replace(/\\n$/, "").split("\\n").length, tops.size,
+            p.scrollWidth - p.clientWidth, p.scrollLeft];
+  })"""
+
+
+def test_code_keeps_its_lines_and_scrolls_on_a_phone(server, browser):
+    """At 400 px chapter 7's code shows each line as one line, and a line wider than the column
+    scrolls into view: wrapping it split tokens (`MODEL_I` / `D`) and sent the rest to column 0
+    (review 2026-12-04, row 6)."""
+    page = browser.new_page(viewport={"width": 400, "height": 800})
+    try:
+        page.route("**/*", lambda r: r.continue_() if r.request.url.startswith(server)
+                   else r.abort())
+        page.goto(f"{server}/book/ch07_decode_kernel.html", wait_until="load")
+        blocks = page.evaluate(CODE_LINES_JS)
+    finally:
+        page.close()
+    assert len(blocks) > 20
+    wrapped = [b for b in blocks if b[1] > b[0]]
+    assert not wrapped, f"{len(wrapped)} of {len(blocks)} code blocks wrap their lines"
+    wide = [b for b in blocks if b[2] > 0]
+    assert wide, "no code line wider than a phone's column: the test shows nothing"
+    assert all(scrolled == overflow for _, _, overflow, scrolled in wide), wide
+
+
+@pytest.mark.parametrize("chapter", sorted((ROOT / "book").glob("ch*.md")), ids=lambda p: p.stem)
+def test_the_notebook_download_is_the_colab_copy(chapter):
+    """The ".ipynb" download button gives the notebook the Colab button opens, the clean copy
+    `book/chNN.ipynb`, not the MyST source as a notebook (review 2026-12-04, row 8;
+    book/_ext/pagedlab_downloads.py)."""
+    page = BUILT / "book" / f"{chapter.stem}.html"
+    links = re.findall(r'<a href="([^"]+\.ipynb)"[^>]*download-notebook-button', page.read_text())
+    assert links == [f"../_sources/book/{chapter.stem}.ipynb"], links
+    download = (page.parent / links[0]).resolve()
+    assert download.read_bytes() == chapter.with_suffix(".ipynb").read_bytes()
 
 
 @pytest.mark.parametrize("chapter", sorted((ROOT / "book").glob("ch*.md")), ids=lambda p: p.stem)
