@@ -118,6 +118,26 @@ def test_buttons_drive_the_same_calls():
     assert play.log == [] and play.mgr.num_used_blocks == 0
 
 
+def test_a_bug_under_a_button_shows_in_the_log():
+    """An exception that is no refusal is not swallowed: it goes in the log the reader sees
+    (JupyterLab prints a callback's traceback only in its log console), then on to ipywidgets;
+    the next button still works."""
+    play = KVPlayground()
+    view = play.widget()
+    buttons = {b.description: b for row in view.children[1:3] for b in row.children}
+
+    def broken(*args):
+        raise RuntimeError("swap_in is broken")
+
+    play.mgr.swap_in = broken
+    buttons["resume (swap in)"].click()  # outside a kernel ipywidgets logs the traceback
+    assert play.log[-1].startswith("error in resume (swap in)")
+    assert play.log[-1].endswith("RuntimeError: swap_in is broken")
+    assert "RuntimeError: swap_in is broken" in view.children[4].value
+    buttons["allocate"].click()
+    assert play.log[-1].startswith("allocate A") and "allocate A" in view.children[4].value
+
+
 def test_the_book_shows_a_player_where_no_kernel_answers():
     play = KVPlayground()
     play.do("allocate", "A", 6)

@@ -103,16 +103,31 @@ class Live:
         def refresh(*_):
             picture.value, log.value = self.picture(), self.log_html()
 
-        def press(operation, fields):
-            return lambda _: (self.do(operation, *(f.value for f in fields)), refresh())
+        def press(label, run):
+            """A button's handler: ``run``, then the new picture and log. An exception that is
+            no refusal (a bug) goes in the log too, then on to ipywidgets, which prints its
+            traceback where the front end puts a callback's output (JupyterLab: its log
+            console, which a reader does not see; without the log line a bug would look like a
+            button that does nothing)."""
+            def handler(_):
+                try:
+                    run()
+                    refresh()
+                except Exception as error:
+                    self.log.append(f"error in {label} (a bug, not a refusal; the manager may "
+                                    f"be inconsistent: reset): {type(error).__name__}: {error}")
+                    log.value = self.log_html()  # the log alone: drawing may be what failed
+                    raise
+            return handler
 
         buttons = []
         for label, tip, operation, fields in actions:
             buttons.append(w.Button(description=label, tooltip=tip, layout=w.Layout(width="auto")))
-            buttons[-1].on_click(press(operation, fields))
+            buttons[-1].on_click(press(label, lambda operation=operation, fields=fields: self.do(
+                operation, *(f.value for f in fields))))
         buttons.append(w.Button(description="reset", tooltip="start again",
                                 layout=w.Layout(width="auto")))
-        buttons[-1].on_click(lambda _: (self.reset(), refresh()))
+        buttons[-1].on_click(press("reset", self.reset))
         rows = [w.HBox(buttons[i:i + 4]) for i in range(0, len(buttons), 4)]
         return w.VBox([w.HBox(inputs), *rows, picture, log])
 
