@@ -485,3 +485,42 @@ def test_a_pool_takes_numpy_counts_and_names_a_bad_one():
         with pytest.raises(ValueError, match=message):
             allocator.allocate(n)
     assert allocator.num_free == 1
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_blocks_needed_are_the_blocks_taken(seed):
+    """For any group of running sequences, forked so that they share partly filled blocks,
+    ``blocks_needed`` for any token counts is exactly what ``allocate_slots`` then takes from
+    the pool; and a swapped group's ``blocks_to_swap_in`` is what its return and one decode
+    token each take."""
+    rng = np.random.default_rng(seed)
+    for _ in range(20):
+        mgr = KVCacheManager(64, 4, num_cpu_blocks=64)
+        mgr.allocate("s0", list(range(int(rng.integers(1, 12)))))
+        seqs = ["s0"]
+        for i in range(1, int(rng.integers(2, 5))):  # forks, each of a live sequence
+            mgr.fork(seqs[int(rng.integers(len(seqs)))], f"s{i}")
+            seqs.append(f"s{i}")
+            for sid in rng.permutation(seqs)[:2]:  # some grow, so blocks are shared in part
+                mgr.append(sid, [7] * int(rng.integers(0, 3)) or [7])
+        counts = {sid: int(rng.integers(1, 7)) for sid in rng.permutation(seqs)}
+        need, free = mgr.blocks_needed(counts), mgr.num_free_blocks
+        assert mgr.allocate_slots({sid: [1] * n for sid, n in counts.items()}) is not None
+        assert free - mgr.num_free_blocks == need, counts
+        mgr.take_copies()
+        mgr.swap_out(*seqs)
+        back, free = mgr.blocks_to_swap_in(*seqs), mgr.num_free_blocks
+        mgr.swap_in(*seqs)
+        assert mgr.allocate_slots({sid: [2] for sid in seqs}) is not None
+        assert free - mgr.num_free_blocks == back
+        mgr.check_invariants()
+
+
+def test_a_truncation_records_the_tokens_and_blocks_it_gave_back():
+    mgr = KVCacheManager(8, 4, record_events=True)
+    mgr.allocate("a", list(range(5)))
+    mgr.append("a", [5, 6, 7, 8, 9], num_speculative=5)  # 10 tokens in blocks 0, 1, 2
+    blocks = mgr.block_table("a")
+    mgr.truncate("a", 3)
+    event = mgr.events[-1]
+    assert (event.kind, event.blocks, event.num_tokens) == ("truncate", (blocks[2], blocks[1]), 7)
