@@ -10,7 +10,7 @@ RUN := bash tools/under_load.sh $(LOAD)
 # spin while they wait for each other, and a step can take ten times as long.
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: book test unit pytest colab no-triton notebooks mutation seeds clean
+.PHONY: book pdf test unit pytest colab no-triton notebooks mutation seeds clean
 
 $(READY): pyproject.toml course/pyproject.toml tools/setup_env.sh
 	VENV=$(VENV) bash tools/setup_env.sh
@@ -20,21 +20,27 @@ $(READY): pyproject.toml course/pyproject.toml tools/setup_env.sh
 book: $(READY)
 	$(RUN) $(BIN)/jupyter-book build . --warningiserror --nitpick --keep-going
 
+# The book as one PDF, _build/html/pagedlab.pdf, printed from the HTML build `make book` made
+# (tools/book_pdf.py: every page in headless Chromium, no chapter run again); about a minute.
+pdf: $(READY)
+	$(RUN) $(BIN)/python tools/book_pdf.py
+
 # The whole suite: the book build (every chapter executed) side by side with the unit and
 # property tests, the assignment grader's tests (tests/test_grade.py grades every solution
 # notebook) and nbval on the solution notebooks, which read nothing the build writes; then the
-# browser test of the built book.
+# book's PDF, and the browser and PDF tests of the built book.
 # Side by side, the two take about as long as the book alone, idle machine or busy.
 test: $(READY)
 	$(RUN) $(MAKE) --no-print-directory --output-sync=target -j2 LOAD=0 book unit
-	$(RUN) $(BIN)/python -m pytest tests/test_browser.py
+	$(RUN) $(MAKE) --no-print-directory LOAD=0 pdf
+	$(RUN) $(BIN)/python -m pytest tests/test_browser.py tests/test_pdf.py
 
 # The solution notebooks, executed by nbval: every cell's stored output must reproduce
 # (addresses and timings sanitized), so an edit that changes what students see is caught here.
 NBVAL := -m pytest --nbval notebooks/solutions --nbval-sanitize-with notebooks/sanitize.cfg
 
 unit: $(READY)
-	$(BIN)/python -m pytest --ignore=tests/test_browser.py
+	$(BIN)/python -m pytest --ignore=tests/test_browser.py --ignore=tests/test_pdf.py
 	$(BIN)/python $(NBVAL)
 
 # Every chapter's Colab copy run as Colab runs it: pagedlab from its wheel, in a folder away from
@@ -53,7 +59,8 @@ no-triton: $(READY)
 	PAGEDLAB_BLOCK_TRITON=1 $(RUN) $(BIN)/python -m pytest -q tests/test_without_triton.py \
 		tests/test_engine.py
 
-# Every test, the browser test included (it skips where the book is not built).
+# Every test, the browser and PDF tests included (they skip where the book is not built; the
+# PDF test fails where the book is built and its PDF is not: `make pdf`).
 pytest: $(READY)
 	$(RUN) $(BIN)/python -m pytest
 	$(RUN) $(BIN)/python $(NBVAL)

@@ -31,3 +31,19 @@ document.addEventListener("DOMContentLoaded", () => {
     keep.append(math, next);
   }
 });
+
+// Collapsed blocks (exercise answers, "Then and now" and other dropdowns, hidden outputs) print
+// open, and close again after: paper cannot be clicked. sphinx-togglebutton does the same for
+// its admonitions; tools/book_pdf.py sends `beforeprint` before it prints a page.
+window.addEventListener("beforeprint", () => {
+  for (const details of document.querySelectorAll("main details:not([open])")) {
+    details.open = true;
+    details.dataset.pagedlabPrintOpened = "";
+  }
+});
+window.addEventListener("afterprint", () => {
+  for (const details of document.querySelectorAll("main details[data-pagedlab-print-opened]")) {
+    details.open = false;
+    delete details.dataset.pagedlabPrintOpened;
+  }
+});

@@ -288,3 +288,25 @@ def test_the_notebook_download_is_replaced_by_the_colab_copy(tmp_path):
     assert (out / "_sources" / "book" / "other.ipynb").read_text() == "no copy beside its source"
     config = yaml.safe_load((ROOT / "_config.yml").read_text())["sphinx"]
     assert config["local_extensions"]["pagedlab_downloads"] == "book/_ext"
+
+
+def test_the_download_menu_offers_the_books_pdf():
+    """book/_ext/pagedlab_downloads.py adds "book (.pdf)", a link to `pagedlab.pdf` at the site's
+    root, to the download menu sphinx-book-theme makes, and calls the theme's ".pdf" (which
+    prints the page alone) "page (.pdf)"; a page without that menu is left as it is."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("pagedlab_downloads",
+                                                  ROOT / "book/_ext/pagedlab_downloads.py")
+    downloads = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(downloads)
+    page_pdf = {"type": "javascript", "text": ".pdf", "label": "download-pdf-button"}
+    menu = {"type": "group", "label": "download-buttons", "buttons": [page_pdf]}
+    context = {"header_buttons": [{"label": "fullscreen-button"}, menu],
+               "pathto": lambda name, resource: f"../{name}" if resource else name}
+    downloads.add_book_pdf(None, "book/ch01", "page.html", context, None)
+    assert [b["text"] for b in menu["buttons"]] == ["page (.pdf)", "book (.pdf)"]
+    assert menu["buttons"][1]["url"] == "../pagedlab.pdf"
+    bare = {"header_buttons": [{"label": "fullscreen-button"}], "pathto": None}
+    downloads.add_book_pdf(None, "genindex", "genindex.html", bare, None)
+    assert bare["header_buttons"] == [{"label": "fullscreen-button"}]

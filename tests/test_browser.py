@@ -12,8 +12,8 @@ sideways, no formula is cut off (a wide one scrolls in its box), and an SVG figu
 block view's) must still show at 9 px or more, in a box that scrolls sideways if need be.
 Collapsed outputs are opened before they are measured. The scripts a page loads from a CDN
 (MathJax, require.js, the widget manager) are served from the same versions' npm packages,
-fetched once into `_build/cdn`, so the test sees what an online reader sees without depending
-on those hosts. Screenshots of every page at both widths go to `_build/screenshots`, for a
+fetched once into `_build/cdn` (tools/book_browser.py, which the book's PDF shares), so the test
+sees what an online reader sees without depending on those hosts. Screenshots of every page at both widths go to `_build/screenshots`, for a
 person to look at. Each chapter's page must also hold its executed outputs and a Colab button
 to its notebook, and its glossary links must land on entries; chapter 1's calculator must
 recompute in the page as `kv_summary` does.
@@ -25,26 +25,20 @@ are then beside it), e.g. a copy whose pages were edited by hand.
 
 from __future__ import annotations
 
-import functools
-import http.server
-import mimetypes
 import os
 import re
-import shutil
-import subprocess
-import tarfile
-import threading
+import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+from book_browser import CHROMIUM, CHROMIUM_ARGS, route_offline, serve, typeset  # noqa: E402
+
 BUILT = Path(os.environ.get("PAGEDLAB_BOOK_HTML", ROOT / "_build" / "html")).resolve()
 CDN_CACHE = BUILT.parent / "cdn"
 SHOTS = BUILT.parent / "screenshots"
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 PAGES = sorted(p for p in BUILT.rglob("*.html")
                if not {"_static", "_sources"} & set(p.relative_to(BUILT).parts)
                and p.name not in ("genindex.html", "search.html")
@@ -59,51 +53,14 @@ THIRD_PARTY_NOISE = ("Identifier 'THEBE_JS_URL' has already been declared",
                      "Got invalid theme mode", "reading 'Queue'")
 THIRD_PARTY_MISSING = "/@jupyter-widgets/html-manager/dist/"
 
-# CDN addresses the built pages use, as (npm package, version, path inside the package).
-NPM_URL = re.compile(r"^https://(?:cdn\.jsdelivr\.net|unpkg\.com)/npm/"
-                     r"(?P<pkg>(?:@[^/@]+/)?[^/@]+)@(?P<version>[^/]+)/(?P<path>.+)$")
-REQUIRE_URL = re.compile(r"^https://cdnjs\.cloudflare\.com/ajax/libs/require\.js/"
-                         r"(?P<version>[^/]+)/require(?:\.min)?\.js$")
-
 pytestmark = pytest.mark.skipif(not BUILT.exists(),
                                 reason="the book is not built (`make test` builds it first)")
 
 
-@functools.cache
-def npm_package(pkg: str, version: str) -> Path:
-    """The unpacked npm package ``pkg@version`` (``npm pack``, cached under _build/cdn)."""
-    dest = CDN_CACHE / f"{pkg.replace('/', '+')}@{version}"
-    if not dest.exists():
-        CDN_CACHE.mkdir(parents=True, exist_ok=True)
-        tgz = subprocess.run(["npm", "pack", "--silent", f"{pkg}@{version}",
-                              "--pack-destination", str(CDN_CACHE)],
-                             capture_output=True, text=True, check=True).stdout.split()[-1]
-        with tarfile.open(CDN_CACHE / tgz) as tar:
-            tar.extractall(dest, filter="data")
-        (CDN_CACHE / tgz).unlink()
-    return dest / "package"
-
-
-def cdn_file(url: str) -> Path | None:
-    """The local copy of a CDN url, or None for a url this test does not know."""
-    if m := REQUIRE_URL.match(url):
-        return npm_package("requirejs", m["version"]) / "require.js"
-    if m := NPM_URL.match(url.split("?")[0]):
-        return npm_package(m["pkg"], m["version"]) / m["path"]
-    return None
-
-
 @pytest.fixture(scope="module")
 def server():
-    class Quiet(http.server.SimpleHTTPRequestHandler):
-        def log_message(self, *args):
-            pass
-
-    handler = functools.partial(Quiet, directory=str(BUILT))
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
+    with serve(BUILT) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -268,27 +225,7 @@ VISIBLE_FRAME_JS = """(player) => [...player.querySelectorAll('.pagedlab-frame')
 
 def check_page(page, url: str, measure: bool = True) -> list[str]:
     problems, external = [], []
-
-    def route(r):
-        url = r.request.url
-        if url.startswith("http://127.0.0.1") and r.request.resource_type == "document":
-            # A local copy is not the CDN's byte for byte: drop the integrity hashes of the
-            # scripts served locally, or the browser refuses them.
-            html = r.fetch().text()
-            html = re.sub(r'<script[^>]*src="https://[^>]*>',
-                          lambda tag: re.sub(r' integrity="[^"]*"', "", tag[0]), html)
-            return r.fulfill(body=html, content_type="text/html")
-        if url.startswith("http://127.0.0.1"):
-            return r.continue_()
-        local = cdn_file(url)
-        if local is not None and local.is_file():
-            return r.fulfill(path=str(local),
-                             content_type=mimetypes.guess_type(local.name)[0] or "text/plain")
-        if r.request.resource_type in ("script", "stylesheet", "xhr", "fetch"):
-            external.append(url)
-        return r.abort()
-
-    page.route("**/*", route)
+    route_offline(page, CDN_CACHE, external)
     def report(kind, text):
         if not any(noise in text for noise in THIRD_PARTY_NOISE):
             problems.append(f"{kind}: {text}")
@@ -305,8 +242,7 @@ def check_page(page, url: str, measure: bool = True) -> list[str]:
     page.on("pageerror", lambda e: report("uncaught", str(e)))
     page.on("response", on_response)
     page.goto(url, wait_until="load")
-    page.wait_for_function("!window.MathJax || !MathJax.startup || MathJax.startup.promise")
-    page.evaluate("() => window.MathJax && MathJax.startup && MathJax.startup.promise")
+    typeset(page)
     problems += [f"script from an unknown CDN: {u}" for u in external]
     problems += page.evaluate(STRANDED_PUNCTUATION_JS)
     if not measure:  # the phone's width: only whether the page scrolls sideways

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import socket
 import subprocess
 import sys
@@ -27,10 +26,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+from book_browser import CHROMIUM, CHROMIUM_ARGS  # noqa: E402
+
 CHAPTER = ROOT / "book" / "ch05_sharing.ipynb"
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 TOKEN = "pagedlab-live-widgets"
 BUG = "a bug under the resume button"  # what the test's own cell makes swap_in raise
 # The longest any one wait may take, in ms; a click's answer comes in well under a second here,
