@@ -250,3 +250,35 @@ def test_swap_space_smaller_than_a_block_is_none():
     res = simulate([Request(0, 0.0, 4, 6), Request(1, 0.0, 4, 2)], num_gpu_blocks=3,
                    swap_space_gib=2**17 / 2**30, scheduler=SchedulerConfig(preemption_mode="swap"))
     assert (res.preemptions, res.blocks_swapped, res.swap_seconds) == (1, 0, 0.0)
+
+
+def test_token_times_are_recorded_only_when_asked_at_each_steps_end():
+    """Half-second steps: a 5-token prompt's first token comes at 0.5 s, the next two at 1.0
+    and 1.5 s, when the request finishes."""
+    run = simulate_paged([Request(0, 0.0, 5, 3)], HALF_SECOND,
+                         PagedConfig(block_size=4, num_gpu_blocks=8, record_token_times=True))
+    assert run.token_times == [[0.5, 1.0, 1.5]]
+    assert (run.first_token[0], run.finish[0]) == (0.5, 1.5)
+    quiet = simulate_paged([Request(0, 0.0, 5, 3)], HALF_SECOND,
+                           PagedConfig(block_size=4, num_gpu_blocks=8))
+    assert quiet.token_times is None
+
+
+def test_the_simulators_drafter_is_the_configs_ngram_lookup_and_refuses_a_draft_model():
+    from pagedlab.sim.simulator import _drafter
+
+    drafter = _drafter(SchedulerConfig(speculative_config={
+        "method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 2,
+        "prompt_lookup_max": 3}))
+    assert (drafter.proposer.min_n, drafter.proposer.max_n, drafter.k) == (2, 3, 2)
+    with pytest.raises(ValueError, match=r"^the simulator proposes by n-gram lookup, not "
+                                         r"'draft_model': price a draft model with "
+                                         r"PagedConfig.draft_cost$"):
+        _drafter(SchedulerConfig(speculative_config={"method": "draft_model",
+                                                     "draft_layers": 1}))
+
+
+def test_a_sim_executor_accepts_nothing_costs_no_draft_and_draws_from_seed_0_by_default():
+    default, seeded = SimExecutor(COST, 16), SimExecutor(COST, 16, seed=0)
+    assert (default.acceptance_rate, default.draft_cost) == (0.0, 0.0)
+    assert default.rng.random(4).tolist() == seeded.rng.random(4).tolist()
