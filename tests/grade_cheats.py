@@ -197,7 +197,8 @@ def cheat(solution: nbformat.NotebookNode, sources: dict[str, str]) -> nbformat.
 
 # Issue 46, item 3: files whose untrusted parts had the trusted side raise, ending the whole
 # batch with no gradebook. Each needs the rules out of the way (PAST_THE_RULES, see the test)
-# but the minus signs, which broke the rules check itself.
+# but the minus signs, which broke the rules check itself. Fd 3 was the worker's pipe of results;
+# since issue 46, item 1 it is the submission's channel to the judge, which they break for themselves.
 MINUS_SIGNS = "_CHECKSUM = " + "-" * 5000 + "1\n"
 FORGED_INDEX = """# PAST_THE_RULES
 import os, json
@@ -262,3 +263,4 @@ def serve(workload, num_gpu_blocks, block_size=4, num_cpu_blocks=0, **config):
     return {key: Anything() for key in ("finish_steps", "preemptions", "outputs", "steps", "peak_blocks",
                                          "peak_cpu_blocks", "recomputed", "blocks_copied", "leaked")}
 """
+

@@ -210,3 +210,4 @@ def test_hidden_workloads_are_drawn_from_a_seed_each_report_records(tmp_path):
     assert other.seed == 2 and other.task("A5.4").hidden_passed == 0, other.text()
     drawn = {grade_many([tmp_path / "A5_missing.ipynb"])[0].seed for _ in range(2)}
     assert len(drawn) == 2 and None not in drawn
+
