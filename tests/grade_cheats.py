@@ -7,6 +7,8 @@ the package's path on disk and the library's wrapped functions. Files they write
 trailing line, so that a cheat that gets through leaves a visible, reversible trace.
 """
 
+import json
+
 import nbformat
 
 from pagedlab_course.assignments import make_student
@@ -197,7 +199,8 @@ def cheat(solution: nbformat.NotebookNode, sources: dict[str, str]) -> nbformat.
 
 # Issue 46, item 3: files whose untrusted parts had the trusted side raise, ending the whole
 # batch with no gradebook. Each needs the rules out of the way (PAST_THE_RULES, see the test)
-# but the minus signs, which broke the rules check itself.
+# but the minus signs, which broke the rules check itself. Fd 3 was the worker's pipe of results;
+# since issue 46, item 1 it is the submission's channel to the judge, which they break for themselves.
 MINUS_SIGNS = "_CHECKSUM = " + "-" * 5000 + "1\n"
 FORGED_INDEX = """# PAST_THE_RULES
 import os, json
@@ -262,3 +265,180 @@ def serve(workload, num_gpu_blocks, block_size=4, num_cpu_blocks=0, **config):
     return {key: Anything() for key in ("finish_steps", "preemptions", "outputs", "steps", "peak_blocks",
                                          "peak_cpu_blocks", "recomputed", "blocks_copied", "leaked")}
 """
+
+# Issue 46, item 1 (the review's C01, C02, C25, C23, C24, C03, C04): cheats that worked because
+# the checks ran in the submission's own interpreter. Each got an undeserved grade or leaked an
+# instructor's check before the judge moved out of that interpreter (each was seen doing so), and
+# each gets past the rules of then and now. The stored outputs they copy are those of the student
+# copy, which keeps every expected output (C26).
+
+
+def stored_outputs(solution: nbformat.NotebookNode) -> dict[int, str]:
+    """Each code cell's stored stdout, by its index counting from 1 (as the grader counts)."""
+    return {i: "".join(o.get("text", "") for o in c.get("outputs", []) if o.get("name") == "stdout")
+            for i, c in enumerate(solution.cells, start=1) if c.cell_type == "code"}
+
+
+def _forge(outputs: dict[int, str], where: str) -> str:
+    """Code that rewrites the worker whose globals ``where`` finds: before, its cell runner
+    reported the stored outputs and its hidden checks passed; since, its answers to the judge are
+    all 'None, no error'."""
+    return f"""
+import functools
+_outs = {outputs!r}
+for _g in {{id(g): g for g in {where}}}.values():
+    if "_run_cell" in _g:
+        _g["_run_cell"] = lambda cell, job: {{"index": cell["index"], "error": None,
+                                             "stdout": _outs.get(cell["index"], ""), "student_stdout": ""}}
+        _real = _g["hidden_checks"]
+        _g["hidden_checks"] = lambda a, d: ([(p, functools.wraps(f)(lambda nb, *args: None), args)
+                                             for p, f, args in _real(a, d)[0]], [])
+    if "Submission" in _g:
+        _g["Submission"]._answer = lambda self, header, payload, encoder: {{"value": None}}
+"""
+
+
+def forges_the_runner(solution: nbformat.NotebookNode) -> str:
+    """C01: the worker's frames found with `dataclasses.inspect.stack()`, their globals read with
+    `dataclasses.builtins.getattr(frame, "f_glob" + "als")`, the worker rewritten. Nothing implemented."""
+    frames = '[dataclasses.builtins.getattr(i.frame, "f_glob" + "als") for i in dataclasses.inspect.stack()]'
+    return "import dataclasses\n" + _forge(stored_outputs(solution), frames)
+
+
+def writes_a_forged_report(solution: nbformat.NotebookNode, hidden: list[tuple[str, str, str]]) -> str:
+    """C02: a whole report, every check passed, written to the worker's result pipe (fd 3) with
+    `random._os.write`, then `random._os._exit(0)`. ``hidden``: (file label, name, task) of the
+    public hidden checks, as their files show them. Nothing implemented."""
+    lines = [{"cell": {"index": i, "error": None, "stdout": out, "student_stdout": ""}}
+             for i, out in stored_outputs(solution).items()]
+    lines += [{"hidden": {"name": name, "task": task, "file": label, "doc": "", "error": None}}
+              for label, name, task in hidden]
+    report = "".join(json.dumps(line) + "\n" for line in [*lines, {"done": True}]).encode()
+    return f"import random\nrandom._os.write(3, {report!r})\nrandom._os._exit(0)\n"
+
+
+def pickled(solution: nbformat.NotebookNode) -> str:
+    """C25: C01's rewrite in its old spelling (`import sys`, `type(sys.stdout).write.__globals__`,
+    which the rules refuse) sent as pickled bytes through `torch.serialization.pickle.loads`,
+    whose bytes the rules do not read. Nothing implemented."""
+    import pickle
+
+    code = "import sys\n" + _forge(stored_outputs(solution), "[type(sys.stdout).write.__globals__]")
+
+    class Run:
+        def __reduce__(self):
+            return exec, (code, {})
+
+    return f"import torch\ntorch.serialization.pickle.loads({pickle.dumps(Run())!r})\n"
+
+
+# C23: appended to a correct A7.1 cell: `match` class patterns read a running generator's frame
+# and the frames under it, and print every hidden check's source found in a local named `job`.
+READS_THE_CHECKS = """
+
+def _spy():
+    found = []
+    match _me:
+        case object(gi_frame=frame):
+            while frame is not None:
+                match frame:
+                    case object(f_locals=local, f_back=back):
+                        if "job" in local:
+                            found.append(local["job"])
+                        frame = back
+    yield found
+
+
+_me = _spy()
+for _jobs in _me:
+    for _job in _jobs:
+        for _check in _job["hidden"]:
+            print(_check["source"])
+"""
+
+# C24: A2.1 raises RuntimeError and KeyError, not the notebook's OutOfBlocks and NotInUse, and a
+# `match` capture pattern rebinds the checks' `error` to one that renames them.
+WRONG_ERRORS = [("raise OutOfBlocks(n, len(self.free_list))",
+                 "raise RuntimeError(f\"asked for {n} block{'s' * (n != 1)}, only {len(self.free_list)} free\")"),
+                ('raise NotInUse(b, "share")', 'raise KeyError(f"block {b} is free; cannot share it")'),
+                ('raise NotInUse(b, "release")', 'raise KeyError(f"block {b} is free; cannot release it")')]
+RENAMES_ERRORS = """
+
+_real_error = error
+
+
+def _translated(call):
+    text = _real_error(call)
+    if text.startswith("RuntimeError: "):
+        return "OutOfBlocks: " + text[len("RuntimeError: "):]
+    if text.startswith("KeyError: "):
+        return "NotInUse: " + text[len("KeyError: "):].strip("'")
+    return text
+
+
+match _translated:
+    case error:
+        pass
+"""
+
+# C03 and C04: A2.1's Allocator hands its work to the forbidden library's BlockAllocator, each
+# call made by C code (`map`) that the setup's `error` (C03) or a thread (C04) runs, so that no
+# solution cell's frame is on the stack when the library is called.
+_DELEGATES = """
+class Allocator:
+    def __init__(self, num_blocks):
+        self.num_blocks = num_blocks
+        self.lib = _lib(BlockAllocator, num_blocks)
+
+    @property
+    def refs(self):
+        return self.lib._refs
+
+    @property
+    def free_list(self):
+        return self.lib._free
+
+    @property
+    def num_free(self):
+        return len(self.lib._free)
+
+    def refcount(self, block):
+        return self.lib._refs[block]
+
+    def allocate(self, n):
+        if n > len(self.lib._free):
+            raise OutOfBlocks(n, len(self.lib._free))
+        return _lib(BlockAllocator.allocate, self.lib, n) if n else []
+
+    def share(self, blocks):
+        for b in blocks:
+            if self.lib._refs[b] == 0:
+                raise NotInUse(b, "share")
+        _lib(BlockAllocator.share, self.lib, blocks)
+
+    def release(self, blocks):
+        for b in blocks:
+            if self.lib._refs[b] == 0:
+                raise NotInUse(b, "release")
+        _lib(BlockAllocator.release, self.lib, blocks)
+"""
+LAUNDERED_THROUGH_SETUP = """
+import functools
+
+
+def _lib(fn, *args):
+    out = []
+    error(functools.partial(out.extend, map(fn, *[[a] for a in args])))
+    return out[0] if out else None
+""" + _DELEGATES
+ON_A_THREAD = """
+import torch
+
+
+def _lib(fn, *args):
+    out = []
+    thread = torch.threading.Thread(target=out.extend, args=(map(fn, *[[a] for a in args]),))
+    thread.start()
+    thread.join()
+    return out[0] if out else None
+""" + _DELEGATES

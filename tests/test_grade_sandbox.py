@@ -120,38 +120,39 @@ def test_a_cell_that_gets_past_the_rules_and_kills_its_parent_harms_no_neighbour
     assert honest.passed  # its parent, in the sandbox, is bwrap's pid 1, which ignores the signal
 
 
-def violations(out: str) -> list[dict]:
-    """The library uses a worker reported, over its lines of results."""
-    return [v for line in out.splitlines() for v in json.loads(line)["violations"]]
+PATCHES_THE_LIBRARY = """
+
+_block_stats = block_stats
 
 
-def test_a_library_function_replaced_through_an_alias_is_caught_when_the_cell_has_run():
-    """The rules see `torch.equal = ...` but not `lib = torch; lib.equal = ...`: the worker
-    compares the libraries' functions before and after each solution cell."""
-    cell = {"index": 4, "kind": "solution", "task": "A2.1", "source": "import math\nlib = math\nlib.floor = abs\n"}
-    job = {"assignment": "A2", "cells": [cell], "forbid": [], "hidden": [], "only": None, "cell_timeout": 60}
-    status, out, err = sandbox.run([sys.executable, "-m", "pagedlab_course.grade.worker"], json.dumps(job), 300)
-    assert status == 0, err
-    assert violations(out) == [{"task": "A2.1", "what": "replaces math.floor", "where": ""}]
+def block_stats(x, block_size):
+    lib = torch
+    lib.equal = lambda *args, **kwargs: True
+    return _block_stats(x, block_size)
+"""
+ASKS_FOR_A_PATCH = """from pagedlab_course.grade import task
+import torch
 
 
-def test_a_library_class_patched_through_an_alias_is_caught_in_a_cell_and_during_a_hidden_check():
-    """Deliver 3: `m = KVCacheManager; m.free = ...` changes what a hidden check's library
-    reference does (A5 may use KVCacheManager; its name is not forbidden). The worker compares
-    the attributes of pagedlab's classes after each solution cell and each hidden check."""
-    cells = [{"index": 2, "kind": "setup", "task": "", "source": "from pagedlab.memory import KVCacheManager\n"},
-             {"index": 4, "kind": "solution", "task": "A5.1", "source": "m = KVCacheManager\nm.free = print\n"},
-             {"index": 6, "kind": "solution", "task": "A5.2",
-              "source": "def later():\n    m = KVCacheManager\n    m.allocate = print\n"}]
-    check = "from pagedlab_course.grade import task\n\n@task('A5.2')\ndef check_it(nb):\n    nb.later()\n"
-    job = {"assignment": "A5", "cells": cells, "forbid": [], "hidden": [{"label": "<check A5.py>", "source": check}],
-           "only": None, "cell_timeout": 60}
-    status, out, err = sandbox.run([sys.executable, "-m", "pagedlab_course.grade.worker"], json.dumps(job), 300)
-    assert status == 0, err
-    assert violations(out) == [
-        {"task": "A5.1", "what": "replaces pagedlab.memory.manager.KVCacheManager.free", "where": ""},
-        {"task": "A5.2", "what": "replaces pagedlab.memory.manager.KVCacheManager.allocate during the hidden check "
-                                 "check_it", "where": ""}]
+@task("A1.1")
+def check_the_judges_library(nb):
+    nb.block_stats(torch.zeros(4), 2)
+    assert not torch.equal(torch.zeros(1), torch.ones(1)), "the judge's torch.equal says yes to anything"
+"""
+
+
+@pytest.mark.slow
+def test_a_library_patched_in_the_submissions_process_changes_nothing_the_judge_compares_with(tmp_path):
+    """The rules see `torch.equal = ...` but not `lib = torch; lib.equal = ...`. The worker used to
+    compare the libraries' functions before and after each cell to catch it; since issue 46 the
+    checks compare with the judge's own torch, which no code of the submission's process reaches."""
+    a1 = nbformat.read(next(SOLUTIONS.glob("A1_*.ipynb")), as_version=4)
+    next(c for c in a1.cells if "### BEGIN SOLUTION A1.1" in c.source).source += PATCHES_THE_LIBRARY
+    nbformat.write(a1, tmp_path / "A1_patch.ipynb")
+    (tmp_path / "checks").mkdir()
+    (tmp_path / "checks" / "A1_patch.py").write_text(ASKS_FOR_A_PATCH)
+    report = grade_many([tmp_path / "A1_patch.ipynb"], tasks=["A1.1"], extra_checks=[tmp_path / "checks"])[0]
+    assert report.passed and report.task("A1.1").hidden == 2, report.text()
 
 
 # -- issue 46: limits enforced from outside the student's code, and the level in every report ---
@@ -171,7 +172,7 @@ def a1_cheats(tmp_path, **sources) -> dict:
 @pytest.mark.slow
 def test_each_resource_a_cell_takes_costs_at_most_its_limit_and_the_report_names_it(tmp_path, monkeypatch):
     """The review's C13 (200 MB printed: a 200 MB report), C08 (3 GB allocated, no limit), a
-    file written past its size, a flood of results, 40 processes forked: each stopped or cut."""
+    file written past its size, a flood of its pipe, 40 processes forked: each stopped or cut."""
     import grade_cheats as cheats
 
     cheats.let_past_the_rules(monkeypatch)
@@ -184,7 +185,8 @@ def test_each_resource_a_cell_takes_costs_at_most_its_limit_and_the_report_names
     assert len(json.dumps(reports["prints"].as_dict())) < 100_000
     assert printed.endswith("[... 199980001 more characters cut: the grader keeps 20000 per cell]")
     notes = {label: "\n".join(r.notes) for label, r in reports.items()}
-    assert "it sent more than 1 MB of results (the output limit) during cell 4" in notes["floods"]
+    # the pipe it floods is its own channel to the judge since issue 46, item 1: broken for itself alone
+    assert "your A1.1 cell (cell 4) raised Broken: a frame of" in notes["floods"]
     assert "cell 4 hit the memory limit (1024 MB)" in notes["allocates"]
     assert "cell 4 hit the file size limit (1 MB)" in notes["file"]
     assert "it started more than 8 processes (the limit) during cell 4" in notes["forks"]
@@ -193,7 +195,8 @@ def test_each_resource_a_cell_takes_costs_at_most_its_limit_and_the_report_names
 @pytest.mark.slow
 def test_a_cell_that_catches_its_timeout_is_stopped_by_the_grader(tmp_path):
     """The review's C15: a cell that catches CellTimeout ran until the fixed 900 s limit, and the
-    results of the cells before it were lost with it. A1.2's cell does it here."""
+    results of the cells before it were lost with it. A1.2's cell does it here: the judge stops
+    waiting for it at its limit and gives the channel up, so what follows fails at once."""
     import grade_cheats as cheats
     import time
 
@@ -203,7 +206,7 @@ def test_a_cell_that_catches_its_timeout_is_stopped_by_the_grader(tmp_path):
     started = time.monotonic()
     report = grade_many([tmp_path / "A1_catches.ipynb"], tasks=["A1.1", "A1.2"], cell_timeout=3)[0]
     assert time.monotonic() - started < 60
-    assert "ran past the time limit of 3 s per cell" in "\n".join(report.notes), report.text()
+    assert "your A1.2 cell (cell 8) raised CellTimeout: ran for more than 3 s" in "\n".join(report.notes), report.text()
     assert report.task("A1.2").passed == 0
     assert report.task("A1.1").passed == report.task("A1.1").checks > 0, report.text()  # sent before the hang
 

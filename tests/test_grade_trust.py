@@ -210,3 +210,72 @@ def test_hidden_workloads_are_drawn_from_a_seed_each_report_records(tmp_path):
     assert other.seed == 2 and other.task("A5.4").hidden_passed == 0, other.text()
     drawn = {grade_many([tmp_path / "A5_missing.ipynb"])[0].seed for _ in range(2)}
     assert len(drawn) == 2 and None not in drawn
+
+
+def earned_nothing(report) -> bool:
+    """0 for every task, every check counted (never '0/0')."""
+    return (not report.refused and report.tasks and all(not t.ok for t in report.tasks)
+            and sum(t.passed + t.hidden_passed for t in report.tasks) == 0 and sum(t.checks for t in report.tasks) > 0)
+
+
+def solved_but(name: str, task: str, source: str) -> nbformat.NotebookNode:
+    """The reference solution with the solution cell of ``task`` replaced by ``source``."""
+    nb = nbformat.read(next(SOLUTIONS.glob(f"{name}_*.ipynb")), as_version=4)
+    next(c for c in nb.cells if f"### BEGIN SOLUTION {task}:" in c.source).source = source
+    return nb
+
+
+PRIVATE = {  # an instructor's checks, each failing when its task is not implemented
+    "A2": ("A2.1", "assert nb.Allocator(3).allocate(2) == [0, 1]"),
+    "A5": ("A5.1", "s = nb.MiniScheduler(KVCacheManager(8, 4), 2, 16)\n    s.add('r', [1, 2, 3], 2)\n"
+                   "    step = nb.Step(0)\n    s.admit(step)\n    assert [r.rid for r in step.prefills] == ['r']"),
+    "A7": ("A7.1", "t = nb.Table(nb.Pool(4), 2)\n    assert nb.append_tokens(t, [1, 2, 3]) is None and t.blocks == [0, 1]"),
+}
+
+
+@pytest.mark.slow
+def test_cheats_in_the_submissions_process_earn_nothing_and_never_see_a_check(tmp_path):
+    """Issue 46, item 1 (the review's C01, C02, C25, C23, C24, C03, C04): the checks ran in the
+    submission's interpreter, so a cell could rewrite the worker (C01, and C25 as pickled bytes),
+    write a forged report to its pipe (C02), read the instructor's check source from a frame
+    (C23), rebind the checks' `error` (C24), or call the forbidden library from C code that the
+    setup's `error` or a thread ran (C03, C04). With nothing implemented the first three got full
+    marks, private checks included. The judge runs the checks in a process of its own now."""
+    from pagedlab_course.grade.batch import hidden_sources
+
+    instructor = tmp_path / "instructor"
+    instructor.mkdir()
+    for name, (task, body) in PRIVATE.items():
+        (instructor / f"{name}_private.py").write_text(
+            "from pagedlab.memory import KVCacheManager\nfrom pagedlab_course.grade import task\n\n\n"
+            f"@task({task!r})\ndef check_private(nb):\n    # {SECRET}\n    {body}\n")
+    solution = {name: nbformat.read(next(SOLUTIONS.glob(f"{name}_*.ipynb")), as_version=4) for name in PRIVATE}
+    public = [(h["label"], check, task) for h in hidden_sources([HIDDEN]) if h["file"].startswith("A7")
+              for check, task, _ in h["checks"]]
+    a71 = next(c.source for c in solution["A7"].cells if "### BEGIN SOLUTION A7.1:" in c.source)
+    a21 = next(c.source for c in solution["A2"].cells if "### BEGIN SOLUTION A2.1:" in c.source)
+    for old, new in cheats.WRONG_ERRORS:
+        a21 = a21.replace(old, new)
+    leaked = lambda r: SECRET in r.text() or SECRET in json.dumps(r.as_dict())  # noqa: E731
+    cases = {  # label: (notebook, what its report must satisfy)
+        "C01 rewrites the worker": (cheats.cheat(solution["A7"], {"A7.1": cheats.forges_the_runner(solution["A7"])}),
+                                    earned_nothing),
+        "C02 writes a forged report": (cheats.cheat(solution["A7"], {
+            "A7.1": cheats.writes_a_forged_report(solution["A7"], public)}), earned_nothing),
+        "C25 pickled": (cheats.cheat(solution["A5"], {"A5.1": cheats.pickled(solution["A5"])}), earned_nothing),
+        "C23 reads the checks": (solved_but("A7", "A7.1", a71 + cheats.READS_THE_CHECKS),
+                                 lambda r: r.passed and not leaked(r)),
+        "C24 renames the errors": (solved_but("A2", "A2.1", a21 + cheats.RENAMES_ERRORS),
+                                   lambda r: r.task("A2.1").passed < r.task("A2.1").checks and not r.task("A2.1").ok),
+        "C03 through the setup's error": (solved_but("A2", "A2.1", cheats.LAUNDERED_THROUGH_SETUP),
+                                          lambda r: flagged(r, "A2.1") and r.task("A2.1").hidden_passed == 0),
+        "C04 on a thread": (solved_but("A2", "A2.1", cheats.ON_A_THREAD),
+                            lambda r: flagged(r, "A2.1") and r.task("A2.1").hidden_passed == 0),
+    }
+    paths = []
+    for i, (label, (nb, _)) in enumerate(cases.items()):
+        paths.append(tmp_path / f"{nb.metadata['pagedlab']['assignment']}_{i}.ipynb")
+        nbformat.write(nb, paths[-1])
+    reports = grade_many(paths, extra_checks=[instructor])
+    wrong = [f"{label}:\n{r.text()}" for (label, (_, must)), r in zip(cases.items(), reports) if not must(r) or leaked(r)]
+    assert not wrong, "\n\n".join(wrong)

@@ -2,11 +2,13 @@
 
 It grades a submitted notebook against the reference the package owns (``notebooks/solutions``):
 only the student's solution cells are taken from the submission, checked against the rules of
-``pagedlab_course.grade.rules``, and run in a sealed process of their own (``pagedlab_course.grade.sandbox``)
-between the reference's own setup and check cells; then the hidden checks run there (the
-package's ``course/pagedlab_course/grade/hidden`` and an instructor's ``--extra-checks`` directory, sent as
-text). This process, where no student code runs, compares what came back with the reference's
-stored outputs and counts every check that did not report as failed. See
+``pagedlab_course.grade.rules``, and run in a sealed process of their own (``pagedlab_course.grade.worker``,
+sealed by ``pagedlab_course.grade.sandbox``) after the reference's own setup cells; the reference's
+check cells and then the hidden checks (the package's ``course/pagedlab_course/grade/hidden`` and an
+instructor's ``--extra-checks`` directory, sent as text) run in a second sealed process, the judge
+(``pagedlab_course.grade.judge``), which calls the student's code over a channel that brings back plain
+data. This process, where no student code runs, compares what the judge reports with the
+reference's stored outputs and counts every check that did not report as failed. See
 ``notebooks/README.md``.
 
 A hidden check is a function in a file ``<assignment>*.py`` (``A2_properties.py``), marked with
@@ -47,9 +49,9 @@ def task(name: str, reference=None):
 
 
 def __getattr__(name: str):
-    """The grading API (``grade``, ``grade_many``, ...), imported on first use: the worker
+    """The grading API (``grade``, ``grade_many``, ...), imported on first use: the judge
     imports this package for :func:`task` alone, and the notebook reader's imports (nbformat,
-    jsonschema) would cost every submission's process seconds of CPU."""
+    jsonschema) would cost every judge seconds of CPU."""
     if name in __all__:
         from pagedlab_course.grade import batch
 

@@ -128,10 +128,12 @@ def _plan(path: Path, only: list | None, checks: list[dict], solutions: Path, ce
     cells, breaches = _checked(assignment, _selected(assignment, submission.cells, only))
     hidden = [h for h in checks if _for(h["file"], assignment.name)]
     expected = [(h["label"], name, task) for h in hidden for name, task, _ in h["checks"] if not only or task in only]
+    interface = _interface(assignment)
     job = None if submission.refusals else {
         "assignment": assignment.name,
-        "cells": [{"index": c.index, "kind": c.kind, "task": c.task, "source": c.source} for c in cells],
-        "forbid": assignment.forbid,
+        "cells": [{"index": c.index, "kind": c.kind, "task": c.task, "source": c.source,
+                   **({"names": interface[c.index]} if c.kind == "solution" else {})} for c in cells],
+        "forbid": _forbidden(tuple(assignment.forbid)),
         "hidden": [{"label": h["label"], "source": h["source"],
                     "references": {name: json.loads(_reference(h["label"], h["source"], name, seed))
                                    for name, task, referenced in h["checks"] if referenced and (not only or task in only)}}
@@ -140,6 +142,19 @@ def _plan(path: Path, only: list | None, checks: list[dict], solutions: Path, ce
         "cell_timeout": cell_timeout,
     }
     return Plan(assignment, submission, cells, path.name, only, breaches, expected, job)
+
+
+def _interface(assignment: Assignment) -> dict[int, list[str]]:
+    """The names each reference solution cell binds that the checks may take from the student
+    (not a setup cell's or a check's, which the judge keeps), by cell index."""
+    protected = assignment.protected
+    return {c.index: sorted(set(rules.bound_names(c.source)) - set(protected))
+            for c in assignment.cells if c.kind == "solution"}
+
+
+@functools.lru_cache(maxsize=None)
+def _forbidden(names: tuple[str, ...]) -> dict[str, list[str]]:
+    return sandbox.forbidden(list(names))
 
 
 def _refused(path: Path, err: Exception) -> Report:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from hypothesis import HealthCheck, Phase, settings
 
+from pagedlab_course.grade.proxy import is_remote, kind_of, snapshot
+
 # Deterministic (the same examples for every student), no example database, no deadline
 # (the Triton interpreter and a loaded CI machine are slow), few examples (seconds, not minutes),
 # and no "explain" phase: its comments on which parts of the example varied are noise to a
@@ -27,7 +29,14 @@ def outcome(call):
 
 def plain(value):
     """``value`` as plain data (numbers, strings, lists, tuples, dicts of them), so that a
-    comparison runs the interpreter's ``==``, never a method of the student's classes."""
+    comparison runs the interpreter's ``==``, never a method of the student's classes: a proxy of
+    a student's list or dict is its snapshot; of any other object, an error naming its class."""
+    if is_remote(value):
+        kind, name = kind_of(value)
+        if kind == "object":
+            raise TypeError(f"expected plain data (numbers, strings, lists, tuples, dicts), got a {name}")
+        value = snapshot(value)
+        value = list(value) if kind in ("list", "deque") else set(value) if kind == "set" else dict(value)
     if value is None or type(value) in (bool, int, float, str):
         return value
     if type(value) in (list, tuple):

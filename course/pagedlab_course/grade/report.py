@@ -174,7 +174,7 @@ def score(assignment: Assignment, cells: list[Cell], result: dict, notebook: str
     for v in _list(result, "violations"):
         if not isinstance(v, dict):
             continue
-        where = f" ({v.get('where')})" if v.get("where") else ""
+        where = f" ({_readable(str(v.get('where')), by_index)})" if v.get("where") else ""
         message = f"your {v.get('task')} code {v.get('what')}{where}: the assignment forbids it"
         for task in str(v.get("task")).split("/"):
             s = scores.setdefault(task, TaskScore(task))

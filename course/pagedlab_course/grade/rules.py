@@ -1,12 +1,13 @@
 """What a solution cell may do, checked on its text before it runs.
 
-A solution cell runs in the same process as the check cells and hidden checks that judge it, so
-the grade is only as good as that code's isolation from the student's. These rules take away
-the ways in: reaching the grader (frames, globals, ``sys``, ``gc``, ``inspect``, dunder
-attributes such as ``__globals__`` and ``__wrapped__``), running code the rules have not seen
-(``exec``, ``eval``, ``compile``, ``open``, imports outside the assignments' list), and changing
-what the checks rely on (attributes of imported modules, the builtins and names the setup cells
-define). A cell that breaks one is not run; its tasks get the refusal, which names the line and
+A first line of defence: the check cells and hidden checks run in the judge, a process where no
+student code runs (``pagedlab_course.grade.judge``), so code that gets past these rules reaches only
+the submission's own process. They keep a student's code to what the assignments need: no
+introspection (frames, globals, ``sys``, ``gc``, ``inspect``, dunder attributes such as
+``__globals__`` and ``__wrapped__``), no code the rules have not seen (``exec``, ``eval``,
+``compile``, ``open``, imports outside the assignments' list), and no changes to what the
+notebook's other cells rely on (attributes of imported modules, the builtins and names the setup
+cells define). A cell that breaks one is not run; its tasks get the refusal, which names the line and
 the rule. RestrictedPython was evaluated for this and not used: it rejects 4 of the 25 reference
 solution cells (``self.x += 1``) and rewrites every attribute access through a guard function,
 which Triton's ``@triton.jit`` (it re-reads the source) and the interpreter's speed cannot take.

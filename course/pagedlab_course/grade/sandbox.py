@@ -40,6 +40,28 @@ PACKAGES = tuple(Path(importlib.util.find_spec(name).origin).resolve().parent
 HIDDEN = PACKAGES[1] / "grade" / "hidden"
 
 
+def forbidden(names: list[str]) -> dict[str, list[str]]:
+    """The assignment's forbidden names as the submission's process must lack them: modules
+    (imported there as stubs; their files hidden under bubblewrap: ``paths``) and single callables
+    (``torch.softmax``, replaced there)."""
+    found = {"modules": [], "callables": [], "paths": []}
+    for name in names:
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):  # "torch.nn.functional.softmax": its parent is not a package
+            spec = None
+        if spec is None:
+            found["callables"].append(name)
+            continue
+        found["modules"].append(name)
+        if spec.submodule_search_locations:
+            found["paths"] += [str(Path(p).resolve()) for p in spec.submodule_search_locations]
+        elif spec.origin:
+            origin = Path(spec.origin).resolve()
+            found["paths"] += [str(origin), *map(str, sorted(origin.parent.glob(f"__pycache__/{origin.stem}.*.pyc")))]
+    return found
+
+
 def _env(home: str) -> dict[str, str]:
     env = {"PATH": "/usr/bin:/bin", "HOME": home, "TMPDIR": "/tmp" if home == "/scratch" else home,
            "LANG": "C.UTF-8", "MPLBACKEND": "Agg", "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1",
@@ -65,8 +87,10 @@ def _readable() -> list[str]:
     return sorted(p for p in paths if os.path.exists(p))
 
 
-def bwrap_command(argv: list[str], sizes: list[str] = ()) -> list[str]:
-    """bubblewrap's command line for ``argv``; ``sizes`` (``--size BYTES``) caps each tmpfs."""
+def bwrap_command(argv: list[str], sizes: list[str] = (), hide: list[str] = ()) -> list[str]:
+    """bubblewrap's command line for ``argv``; ``sizes`` (``--size BYTES``) caps each tmpfs;
+    ``hide``: files and directories of the packages left out (the assignment's forbidden modules,
+    for the submission's process: an empty directory or file in their place)."""
     cmd = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--clearenv", "--proc", "/proc",
            "--dev", "/dev", *sizes, "--tmpfs", "/tmp", *sizes, "--tmpfs", "/scratch", "--chdir", "/scratch"]
     for system in ("/usr", "/bin", "/lib", "/lib64", "/sbin", "/etc"):
@@ -79,6 +103,8 @@ def bwrap_command(argv: list[str], sizes: list[str] = ()) -> list[str]:
     for package in PACKAGES:
         cmd += ["--ro-bind", str(package), str(package)]
     cmd += ["--tmpfs", str(HIDDEN)]
+    for path in hide:
+        cmd += ["--tmpfs", path] if os.path.isdir(path) else ["--ro-bind", "/dev/null", path]
     for name, value in _env("/scratch").items():
         cmd += ["--setenv", name, value]
     return cmd + argv
@@ -123,9 +149,13 @@ class Limits:
 
 
 # Sets the limits in the child, then becomes the command: nothing of the grader's runs after it.
-_LIMITED = ("import os, resource, sys\n"
+# Without address randomisation (personality ADDR_NO_RANDOMIZE), so that the judge and the
+# submission's process lay out the interpreter alike: an object hashed by its address hashes the
+# same in both (Python 3.11's None: A3's block keys are ``hash((None, tokens))``).
+_LIMITED = ("import ctypes, os, resource, sys\n"
             "for name, value in {}.items():\n"
             "    resource.setrlimit(getattr(resource, name), (value, value))\n"
+            "ctypes.CDLL(None).personality(0x0040000)\n"
             "os.execv(sys.argv[1], sys.argv[1:])\n")
 
 
@@ -143,19 +173,21 @@ def _adopt_orphans() -> bool:
         return False
 
 
-def start(argv: list[str], scratch: str, limits: Limits) -> subprocess.Popen:
-    """``argv`` started at the best level with ``limits``, in a session of its own, its stdin,
-    stdout and stderr pipes (bytes)."""
+def start(argv: list[str], scratch: str, limits: Limits, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+          pass_fds: tuple = (), hide: list[str] = ()) -> subprocess.Popen:
+    """``argv`` started at the best level with ``limits``, in a session of its own, its stderr a
+    pipe, its stdin and stdout pipes unless given, ``pass_fds`` open in it; ``hide``: see
+    ``bwrap_command`` (nothing is hidden at the ``process`` level)."""
     if level() == "bwrap":
         sizes = ["--size", str(limits.scratch_mb << 20)]
-        cmd, env = bwrap_command(argv, sizes), None
+        cmd, env = bwrap_command(argv, sizes, hide), None
     else:
         cmd, env = argv, _env(scratch)
     cmd = [sys.executable, "-c", _LIMITED.format(limits.rlimits()), shutil.which(cmd[0]) or cmd[0], *cmd[1:]]
     _adopt_orphans()
     with _CHILDREN:
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                env=env, cwd=scratch, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdin=stdin, stdout=stdout, stderr=subprocess.PIPE, env=env, cwd=scratch,
+                                start_new_session=True, pass_fds=pass_fds)
         WORKERS.add(proc.pid)
     return proc
 

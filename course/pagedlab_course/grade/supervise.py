@@ -1,12 +1,14 @@
-"""The grader's side of one submission's run: it reads the worker's results as they come, one
-JSON line per cell or hidden check, and enforces from outside what code in the worker could
-dodge: each cell's time (a cell that catches its ``CellTimeout`` still stops), the whole run's
-time, how much it may send, how many processes it may start. A run that is stopped keeps the
+"""The grader's side of one submission's run: it starts the judge and the submission's process,
+reads the judge's results as they come, one JSON line per cell or hidden check, and enforces
+from outside what code in the submission's process could dodge: each cell's time (a cell that
+catches its ``CellTimeout`` still stops), the whole run's time, how much the judge may send, how
+many processes the two may start. A run that is stopped keeps the
 results it sent before, so a hang loses only what follows it."""
 
 from __future__ import annotations
 
 import json
+import os
 import queue
 import subprocess
 import sys
@@ -16,41 +18,60 @@ import time
 
 from pagedlab_course.grade import sandbox
 
-GRACE = 5.0  # seconds past a cell's limit before the grader stops it (the worker's own alarm comes first)
-STARTUP = 120.0  # seconds for the worker's imports before its first cell
-POLL = 0.5  # seconds between two counts of the worker's processes
+GRACE = 5.0  # seconds past a cell's limit before the grader stops it (the submission's and the judge's alarms come first)
+STARTUP = 120.0  # seconds for the processes' imports before the first cell
+POLL = 0.5  # seconds between two counts of the processes below the two
 OVERFLOW, END = object(), object()
 # What a cell's error says when it met a resource limit (torch and Python's words for ENOMEM, EFBIG).
 HITS = {"memory": ("MemoryError", "Cannot allocate memory"), "file size": ("File too large", "EFBIG")}
 
 
 def supervise(job: dict, timeout: float, limits: sandbox.Limits) -> dict:
-    """The worker's results for ``job``, assembled here: {"cells", "hidden", "violations",
-    "notes"}, and "crash" (why the run did not finish) when it did not."""
+    """The judge's results for ``job``, assembled here: {"cells", "hidden", "violations",
+    "notes"}, and "crash" (why the run did not finish) when it did not. The judge and the
+    submission's process run sealed, each in its own sandbox, joined only by two pipes."""
     result = {"cells": [], "hidden": [], "violations": [], "notes": []}
     with tempfile.TemporaryDirectory(prefix="pagedlab-grade-") as scratch:
-        proc = sandbox.start([sys.executable, "-m", "pagedlab_course.grade.worker"], scratch, limits)
-        lines: queue.Queue = queue.Queue()
-        for target, args in ((_feed, (proc.stdin, json.dumps(job).encode())),
-                             (_read, (proc.stdout, limits.output_mb << 20, lines)), (_drain, (proc.stderr,))):
-            threading.Thread(target=target, args=args, daemon=True).start()
-        seen: dict[int, str] = {}  # every process seen below the worker, killed with it
+        requests, answers = os.pipe(), os.pipe()  # (read, write): judge -> submission, submission -> judge
+        pipes, procs, seen = [*requests, *answers], [], {}  # seen: every process seen below either, killed with them
         try:
-            crash = _follow(proc, lines, result, job["cell_timeout"], timeout, limits, seen)
+            for name in ("worker", "judge"):
+                os.mkdir(os.path.join(scratch, name))
+            procs.append(sandbox.start([sys.executable, "-m", "pagedlab_course.grade.worker", json.dumps(
+                {k: job["forbid"][k] for k in ("modules", "callables")})], os.path.join(scratch, "worker"), limits,
+                stdin=requests[0], stdout=answers[1], hide=job["forbid"]["paths"]))
+            procs.append(sandbox.start([sys.executable, "-m", "pagedlab_course.grade.judge", str(requests[1]),
+                                        str(answers[0])], os.path.join(scratch, "judge"), limits,
+                                       pass_fds=(requests[1], answers[0])))
+            _close(pipes)  # the grader's copies: each end is the judge's or the submission's alone
+            judge = procs[1]
+            lines: queue.Queue = queue.Queue()
+            for target, args in ((_feed, (judge.stdin, json.dumps(job).encode())),
+                                 (_read, (judge.stdout, limits.output_mb << 20, lines)),
+                                 *((_drain, (p.stderr,)) for p in procs)):
+                threading.Thread(target=target, args=args, daemon=True).start()
+            crash = _follow(procs, lines, result, job["cell_timeout"], timeout, limits, seen)
         finally:
-            sandbox.stop(proc, seen)
+            _close(pipes)
+            for proc in procs:
+                sandbox.stop(proc, seen)
     if crash:
         result["crash"] = crash
         result["notes"].append(f"the grader stopped your submission: {crash}")
     return result
 
 
-def _follow(proc, lines: queue.Queue, result: dict, cell_timeout: float, timeout: float,
+def _close(fds: list[int]) -> None:
+    while fds:
+        os.close(fds.pop())
+
+
+def _follow(procs: list, lines: queue.Queue, result: dict, cell_timeout: float, timeout: float,
             limits: sandbox.Limits, seen: dict[int, str]) -> str | None:
-    """Read the worker's lines into ``result`` until it says it is done (None) or a limit is
+    """Read the judge's lines into ``result`` until it says it is done (None) or a limit is
     hit (why, naming the cell that ran and the limit)."""
     now = time.monotonic()
-    end, deadline, current, counted = now + timeout, now + STARTUP, "the worker's start", now
+    end, deadline, current, counted = now + timeout, now + STARTUP, "the start", now
     while True:
         now = time.monotonic()
         if now >= end:
@@ -58,7 +79,7 @@ def _follow(proc, lines: queue.Queue, result: dict, cell_timeout: float, timeout
         if now >= deadline:
             return f"{current} ran past the time limit of {cell_timeout:g} s per cell"
         if now >= counted + POLL:
-            counted, below = now, sandbox.descendants(proc.pid)
+            counted, below = now, {pid: t for proc in procs for pid, t in sandbox.descendants(proc.pid).items()}
             seen.update(below)
             if len(below) > limits.processes:
                 return f"it started more than {limits.processes} processes (the limit) during {current}"
@@ -67,7 +88,7 @@ def _follow(proc, lines: queue.Queue, result: dict, cell_timeout: float, timeout
         except queue.Empty:
             continue
         if line is END:
-            return f"its process {_ended(proc)} during {current} before reporting"
+            return f"the judge's process {_ended(procs[1])} during {current} before reporting"
         if line is OVERFLOW:
             return f"it sent more than {limits.output_mb} MB of results (the output limit) during {current}"
         item = _parse(line)
@@ -113,7 +134,7 @@ def _feed(pipe, data: bytes) -> None:
     try:
         pipe.write(data)
         pipe.close()
-    except OSError:  # the worker died or closed its stdin: its results say what it did
+    except OSError:  # the judge died or closed its stdin: its results say what it did
         pass
 
 
@@ -133,6 +154,6 @@ def _read(pipe, limit: int, lines: queue.Queue) -> None:
 
 
 def _drain(pipe) -> None:
-    """Read and drop stderr, so that a worker that writes there never blocks (nothing reads it)."""
+    """Read and drop stderr, so that a process that writes there never blocks (nothing reads it)."""
     while pipe.read(1 << 16):
         pass

@@ -3,6 +3,7 @@ states corrupted at random. Block ids are compared exactly only for the allocato
 free-list order is the lesson; elsewhere only what does not depend on them."""
 
 import random
+import types
 from collections import Counter
 
 from hypothesis import given
@@ -142,23 +143,11 @@ def check_fork_and_copy_on_write_random_runs(nb):
                                    f"the library's {lib.block_table(sid)} under any renaming that fits the other tables")
 
 
-class _Pool:
-    """A bare allocator state for find_violations: refs, free_list and the accessors."""
-
-    def __init__(self, refs, free_list):
-        self.refs, self.free_list, self.num_blocks = refs, free_list, len(refs)
-
-    @property
-    def num_free(self):
-        return len(self.free_list)
-
-    def refcount(self, block):
-        return self.refs[block]
-
-
-class _Table:
-    def __init__(self, blocks):
-        self.blocks = blocks
+def _pool(refs, free_list):
+    """A bare allocator state for find_violations (refs, free_list and the accessors), of types
+    that travel to the submission's process as copies."""
+    return types.SimpleNamespace(refs=refs, free_list=free_list, num_blocks=len(refs), num_free=len(free_list),
+                                 refcount=refs.__getitem__)
 
 
 def _violations(refs, free_list, tables):
@@ -196,26 +185,21 @@ def check_find_violations(nb, tables, corruptions):
         elif kind == "entry to free" and tables and refs[b] == 0:
             tables[0].append(b)
     expected = _violations(refs, free_list, tables)
-    got = nb.find_violations(_Pool(refs, free_list.copy()), [_Table(t.copy()) for t in tables])
+    got = nb.find_violations(_pool(refs, free_list.copy()), [types.SimpleNamespace(blocks=t.copy()) for t in tables])
     state = f"refcounts {refs}, free list {free_list}, tables {tables}"
     assert list(got) == expected, f"{state}\n    expected: {expected}\n    actual:   {list(got)}"
 
 
 @task("A2.4")
 def check_free_table_releases_tail_first(nb):
-    """free_table releases every block in one call, last block first, and empties the table."""
-    calls = []
-
-    class Recorder(nb.Allocator):
-        def release(self, blocks):
-            calls.append(list(blocks))
-            return super().release(blocks)
-
-    pool = Recorder(8)
+    """free_table releases every block, last block first (so the head is the next out), and
+    empties the table."""
+    pool = nb.Allocator(8)
     t = nb.SharedBlockTable(pool, 2)
     t.append(5)
-    blocks = t.blocks.copy()
+    blocks = plain(t.blocks)
     nb.free_table(t)
-    assert calls == [blocks[::-1]], f"release calls expected: {[blocks[::-1]]}\n    actual: {calls}"
-    assert (t.blocks, t.num_tokens, pool.num_free) == ([], 0, 8), \
-        f"after free_table: blocks {t.blocks}, tokens {t.num_tokens}, free {pool.num_free}; expected [], 0, 8"
+    expect(0, "free_table of a table of blocks %s" % blocks, "the top of the free list (released last first)",
+           blocks[::-1], plain(pool.free_list)[-len(blocks):])
+    expect(0, "the same free_table", "blocks, tokens and free blocks after it", [[], 0, 8],
+           [plain(t.blocks), t.num_tokens, pool.num_free])

@@ -48,8 +48,8 @@ def check_recompute_keeps_arrival_order(nb):
     for an earlier arrival after a later one was swapped out): each victim's blocks are freed,
     it is recorded, and the waiting queue stays in order of arrival."""
     for order in itertools.permutations(range(3)):
-        manager = KVCacheManager(16, 4)
-        sched = nb.MiniScheduler(manager, 8, 64)
+        sched = nb.MiniScheduler(KVCacheManager(16, 4), 8, 64)
+        manager = sched.manager  # the scheduler's copy of the manager, in the submission's process
         requests = [sched.add(f"r{i}", [i] * 5, 4) for i in range(4)]  # r3 is still waiting
         for req in requests[:3]:
             manager.allocate(req.rid, req.tokens)

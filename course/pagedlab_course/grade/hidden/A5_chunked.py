@@ -109,8 +109,9 @@ def _side_by_side(nb, label, arrivals, num_blocks, block_size, budget, seats, wa
     """Run the student's scheduler and the reference on the same arrivals ({step: [(rid, prompt,
     max_tokens)]}), step by step; compare every step, the free blocks, outputs and finish steps.
     ``expected_steps``, worked out by hand, pins the first steps' summaries."""
-    manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching)
-    sched = nb.MiniScheduler(manager, max_num_seqs=seats, max_num_batched_tokens=budget, watermark=watermark)
+    sched = nb.MiniScheduler(KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix_caching),
+                             max_num_seqs=seats, max_num_batched_tokens=budget, watermark=watermark)
+    manager = sched.manager  # the scheduler's copy of the manager, in the submission's process
     ref = Reference(a5_next_token, num_blocks, block_size, budget, seats, watermark, prefix_caching)
     requests = {}
     last = max(arrivals)
@@ -163,8 +164,8 @@ def check_budget_used_up_by_decodes(nb):
         ([(f"r{i}", 2, 1) for i in range(3)], [], []),  # budget 3: r3 and r4 sit out
         ([(f"r{i}", 3, 1) for i in range(3)], [], []),  # r5 arrives and waits
     ]
-    manager = KVCacheManager(32, 4)
-    sched = nb.MiniScheduler(manager, max_num_seqs=8, max_num_batched_tokens=10)
+    sched = nb.MiniScheduler(KVCacheManager(32, 4), max_num_seqs=8, max_num_batched_tokens=10)
+    manager = sched.manager
     for rid, prompt, max_tokens in arrivals[0]:
         sched.add(rid, prompt, max_tokens)
     for index, expected in enumerate(by_hand):
@@ -191,8 +192,8 @@ def check_long_prompt_over_several_steps(nb):
     by_hand.append(([], [("long", 32, 5), ("short", 0, 2)], []))
     by_hand.append(([("long", 37, 1), ("short", 2, 1)], [], []))
     _side_by_side(nb, "a 37-token prompt, budget 8", arrivals, 16, 4, budget=8, seats=4, expected_steps=by_hand)
-    manager = KVCacheManager(16, 4)
-    sched = nb.MiniScheduler(manager, max_num_seqs=4, max_num_batched_tokens=8)
+    sched = nb.MiniScheduler(KVCacheManager(16, 4), max_num_seqs=4, max_num_batched_tokens=8)
+    manager = sched.manager
     long = sched.add("long", _prompt(0, 37), 2)
     blocks, outputs = [], []
     for _ in range(5):
