@@ -128,6 +128,13 @@ def test_a_course_handed_out_as_a_wheel_is_graded_outside_the_repository(tmp_pat
     """Deliver 6: the instructors' section of notebooks/README.md, followed from a wheel, in a
     directory with no checkout: the references come from --solutions, and without it the
     grader says so."""
+    handout = (SOLUTIONS.parents[1] / "notebooks" / "README.md").read_text()
+    # what the section tells instructors to build and students to install: both wheels, the
+    # ones built here (the test installs them without their PyPI dependencies, which this
+    # environment has)
+    assert "pip wheel . ./course --no-deps -w dist" in handout
+    assert "pip install dist/pagedlab-*.whl dist/pagedlab_course-*.whl" in handout
+    assert "--index-url https://download.pytorch.org/whl/cpu" in handout
     site = wheels.install(tmp_path, "pagedlab", "pagedlab-course")
     course = tmp_path / "course"
     shutil.copytree(SOLUTIONS, course / "solutions")
