@@ -259,8 +259,10 @@ def test_a_hang_in_one_task_loses_only_what_follows_it(tmp_path):
                                   "    while len(set(allocator.free_list)) != len(allocator.free_list):\n        pass\n"
                                   "    entries = Counter(b for table in tables for b in table.blocks)\n    on_free_list")]),
                    path)
-    report = grade_many([path], cell_timeout=3)[0]
+    # a limit the correct tasks' hidden checks keep under on a loaded machine (each call to the
+    # student's objects crosses the judge's channel: 3 s was not enough beside a book build)
+    report = grade_many([path], cell_timeout=30)[0]
     assert [t.task for t in report.tasks if t.ok] == ["A2.1", "A2.2", "A2.3", "A2"], report.text()
     a24 = report.task("A2.4")
     assert a24.hidden_passed == 1 and "check_find_violations" in "\n".join(a24.failures), report.text()
-    assert "raised CellTimeout: ran for more than 3 s at your A2.4 cell (cell 22)" in "\n".join(a24.failures)
+    assert "raised CellTimeout: ran for more than 30 s at your A2.4 cell (cell 22)" in "\n".join(a24.failures)
