@@ -524,3 +524,23 @@ def test_a_truncation_records_the_tokens_and_blocks_it_gave_back():
     mgr.truncate("a", 3)
     event = mgr.events[-1]
     assert (event.kind, event.blocks, event.num_tokens) == ("truncate", (blocks[2], blocks[1]), 7)
+    assert event.seq_id == "a"
+    # released last block first, so the block right after the kept ones is the next one out
+    mgr.allocate("b", [1])
+    assert mgr.block_table("b") == [blocks[1]]
+
+
+@pytest.mark.parametrize("keep, message", [
+    (2.5, r"^num_tokens=2.5 must be an integer$"),
+    (0, r"^num_tokens=0 must be > 0$"),
+    (3, r"^sequence 'a': cannot keep 3 of its 10 tokens; need 4 <= num_tokens <= 10 \(its "
+        r"first 4 are in cached blocks\)$"),
+    (11, r"^sequence 'a': cannot keep 11 of its 10 tokens; need 4 <= num_tokens <= 10"),
+])
+def test_a_truncation_it_cannot_do_is_named(keep, message):
+    mgr = KVCacheManager(8, 4, enable_prefix_caching=True)
+    mgr.allocate("a", list(range(5)))  # its first block is cached: 4 verified tokens
+    mgr.append("a", [5, 6, 7, 8, 9], num_speculative=5)
+    with pytest.raises(ValueError, match=message):
+        mgr.truncate("a", keep)
+    assert mgr.num_tokens("a") == 10
