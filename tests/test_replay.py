@@ -17,6 +17,7 @@ from pagedlab.sim.calibration import (
     features,
     fit_cost_model,
     profile,
+    relative_errors,
 )
 from pagedlab.sim.replay import capacity, errors, percentiles, predict, replay
 from pagedlab.sim.simulator import PagedConfig, simulate_paged
@@ -254,6 +255,13 @@ def test_a_price_below_zero_for_the_first_feature_is_zero_too():
                          swap_bandwidth=1.0)
     assert fit.coefficients["decode_seqs"] == 0
     assert fit.coefficients["prefill_tokens"] == pytest.approx(0.001)
+
+
+def test_relative_errors_are_the_models_time_over_the_measured_one_minus_one():
+    half = FittedCostModel(0.25, {"prefill_tokens": 0.05}, 1, 1.0)  # 0.25 s + 0.05 s a token
+    steps = [StepTiming(0, 0.25, StepShape((5,), (0,), ())),  # priced 0.5 s: twice the time
+             StepTiming(0, 1.0, StepShape((5,), (0,), ()))]  # half the time
+    assert relative_errors(half, steps) == pytest.approx([1.0, -0.5])
 
 
 def test_profile_covers_prefills_decodes_and_mixed_steps():
