@@ -203,12 +203,8 @@ class KVPlayground(Live):
 
     def widget(self):
         """The live playground: controls over this manager."""
-        import ipywidgets as w
-
-        seq = w.Text(value="A", description="sequence", layout=w.Layout(width="14em"))
-        child = w.Text(value="B", description="fork into", layout=w.Layout(width="14em"))
-        tokens = w.BoundedIntText(value=6, min=1, max=256, description="tokens",
-                                  layout=w.Layout(width="12em"))
+        seq, child = name_box("A", "sequence"), name_box("B", "fork into")
+        tokens = count_box(6, 1, 256, "tokens")
         return self.panel([seq, child, tokens], [
             ("allocate", "a new prompt of `tokens` tokens", "allocate", [seq, tokens]),
             ("allocate, shared prompt", "a prompt that starts with the shared 8 tokens",
@@ -279,13 +275,9 @@ class SpeculationPlayground(Live):
 
     def widget(self):
         """The live playground: a prompt, proposals and verification over this manager."""
-        import ipywidgets as w
-
-        seq = w.Text(value="A", description="sequence", layout=w.Layout(width="14em"))
-        size = w.BoundedIntText(value=6, min=1, max=256, description="tokens / k",
-                                layout=w.Layout(width="14em"))
-        accepted = w.BoundedIntText(value=1, min=0, max=64, description="accepted",
-                                    layout=w.Layout(width="12em"))
+        seq = name_box("A", "sequence")
+        size = count_box(6, 1, 256, "tokens / k", width="14em")
+        accepted = count_box(1, 0, 64, "accepted")
         return self.panel([seq, size, accepted], [
             ("allocate", "a prompt of `tokens` tokens", "allocate", [seq, size]),
             ("speculate", "the pending token and k proposals", "speculate", [seq, size]),
@@ -338,17 +330,27 @@ class SchedulerPlayground(Live):
 
     def widget(self):
         """The live playground: queue requests and step the scheduler."""
-        import ipywidgets as w
-
-        rid = w.Text(value="A", description="request", layout=w.Layout(width="14em"))
-        prompt = w.BoundedIntText(value=8, min=1, max=256, description="prompt",
-                                  layout=w.Layout(width="12em"))
-        out = w.BoundedIntText(value=4, min=1, max=256, description="decode",
-                               layout=w.Layout(width="12em"))
+        rid = name_box("A", "request")
+        prompt, out = count_box(8, 1, 256, "prompt"), count_box(4, 1, 256, "decode")
         return self.panel([rid, prompt, out], [
             ("add request", "queue a request: `prompt` tokens, then `decode` more", "add",
              [rid, prompt, out]),
             ("step", "one engine step: the scheduler's batch", "step", [])])
+
+
+def name_box(value: str, label: str):
+    """A text box for a sequence's or a request's name."""
+    import ipywidgets as w
+
+    return w.Text(value=value, description=label, layout=w.Layout(width="14em"))
+
+
+def count_box(value: int, low: int, high: int, label: str, width: str = "12em"):
+    """A box for a count of tokens, bounded to [``low``, ``high``]."""
+    import ipywidgets as w
+
+    return w.BoundedIntText(value=value, min=low, max=high, description=label,
+                            layout=w.Layout(width=width))
 
 
 def describe_step(number, step, finished, names, scheduler, budget) -> str:
