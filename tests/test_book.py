@@ -310,3 +310,37 @@ def test_the_download_menu_offers_the_books_pdf():
     bare = {"header_buttons": [{"label": "fullscreen-button"}], "pathto": None}
     downloads.add_book_pdf(None, "genindex", "genindex.html", bare, None)
     assert bare["header_buttons"] == [{"label": "fullscreen-button"}]
+
+
+def test_the_edition_line_names_the_device_the_chapters_ran_on(monkeypatch):
+    """book/_ext/pagedlab_edition.py: a CUDA build is the GPU edition and names its GPU; a CPU
+    build says whether Triton's interpreter or the torch references ran the kernels. The book
+    registers it, and it becomes the theme's announcement."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    import torch
+
+    from pagedlab import device
+
+    spec = importlib.util.spec_from_file_location("pagedlab_edition",
+                                                  ROOT / "book/_ext/pagedlab_edition.py")
+    ext = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ext)
+    monkeypatch.delenv("PAGEDLAB_SIZE", raising=False)
+    monkeypatch.setattr(device, "HAS_CUDA", False)
+    monkeypatch.setattr(device, "has_triton", lambda: True)
+    assert ext.edition().startswith("CPU edition:")
+    assert "Triton's kernels in its interpreter, at the small size preset" in ext.edition()
+    monkeypatch.setattr(device, "has_triton", lambda: False)
+    assert "the torch reference kernels (no Triton)" in ext.edition()
+    monkeypatch.setattr(device, "HAS_CUDA", True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "NVIDIA H100")
+    assert ext.edition() == ("GPU edition: every chapter ran on a GPU (NVIDIA H100), "
+                             "Triton's kernels compiled, at the large size preset.")
+    config = SimpleNamespace(html_theme_options={"use_repository_button": True})
+    ext._config_inited(None, config)
+    assert config.html_theme_options == {"use_repository_button": True,
+                                         "announcement": ext.edition()}
+    assert yaml.safe_load((ROOT / "_config.yml").read_text())["sphinx"]["local_extensions"][
+        "pagedlab_edition"] == "book/_ext"

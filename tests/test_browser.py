@@ -309,6 +309,18 @@ def test_every_page_is_in_the_table_of_contents():
     assert not {p.relative_to(BUILT).with_suffix("").as_posix() for p in PAGES} - listed
 
 
+def test_every_page_says_which_edition_it_is():
+    """The CPU and GPU editions differ in every measured number: each page says which one it
+    is, at its top (book/_ext/pagedlab_edition.py), as the device the chapters ran on decides."""
+    from pagedlab.device import HAS_CUDA
+
+    edition = "GPU edition: " if HAS_CUDA else "CPU edition: every chapter ran on a CPU"
+    banner = re.compile(r'class="bd-header-announcement__content">([^<]*)<')
+    unlabelled = [p.relative_to(BUILT).as_posix() for p in PAGES
+                  if edition not in "".join(banner.findall(p.read_text()))]
+    assert not unlabelled, f"pages without the {edition!r} banner: {unlabelled}"
+
+
 @pytest.mark.parametrize("chapter", sorted((ROOT / "book").glob("ch*.md")), ids=lambda p: p.stem)
 def test_built_chapter_has_outputs_and_a_colab_button_to_its_notebook(chapter):
     html = (BUILT / "book" / f"{chapter.stem}.html").read_text()
