@@ -2,7 +2,7 @@
 site offers, `pagedlab.pdf` beside the HTML build, printed from that build; every page of
 `_toc.yml` in it with an outline entry titled by its h1, at the page whose text shows that
 title; chapter 1's glued numbers in chapter 1's pages, so the executed outputs are in it; no
-blank page; and every page's download menu links to it.
+blank page; every page numbered; and every page's download menu links to it.
 
 Like the browser test it reads the build (`make test` builds the book, then the PDF, then runs
 both), and skips where the book is not built or Chromium, which prints the PDF, is missing.
@@ -116,3 +116,11 @@ def test_the_download_menu_offers_the_book_pdf(path):
     page = BUILT / f"{path}.html"
     links = re.findall(r'<a href="([^"]+)"[^>]*btn-download-book-pdf-button', page.read_text())
     assert [(page.parent / link).resolve() for link in links] == [PDF]
+
+
+def test_every_page_shows_its_number_at_its_foot():
+    """The pages are printed one HTML page at a time, so their numbers are laid over the merged
+    book (tools/book_pdf.py): page i of the PDF ends with the number i, not its page's own."""
+    _, texts, _ = book()
+    wrong = [i + 1 for i, text in enumerate(texts) if not text.endswith(f" {i + 1}")]
+    assert not wrong, f"pages whose text does not end with their number: {wrong[:20]}"

@@ -6,7 +6,8 @@ through pyppeteer, which downloads a Chromium of its own (no network here, fragi
 opens each page of the build in the order of `_toc.yml` in the Chromium the browser test uses,
 offline (tools/book_browser.py), prints it (A4, the print rules of _static/pagedlab.css), and
 merges the pages with pypdf: an outline entry per page, titled by its h1, under its part's
-caption, with its sections beneath; a link to another page of the book lands there in the PDF.
+caption, with its sections beneath; a link to another page of the book lands there in the PDF;
+every page numbered at its foot.
 """
 
 from __future__ import annotations
@@ -108,6 +109,42 @@ def print_pages(html: Path, paths: list[str]) -> tuple[str, list[tuple[bytes, di
     return base, printed
 
 
+# One A4 sheet per number, the number alone at the foot of the sheet, in the bottom margin the
+# pages are printed with: printed once and laid over the merged pages (each page of the book was
+# printed on its own, so Chromium's own footer would start every page of the book at 1).
+NUMBERS_HTML = """<!doctype html><style>
+@page { size: A4; margin: 0; }
+body { margin: 0; }
+div { height: 1px; position: relative; break-after: page; }
+span { position: absolute; top: 286mm; width: 100%; text-align: center;
+       font: 9pt sans-serif; color: #555; }
+</style>"""
+
+
+def page_numbers(count: int) -> bytes:
+    """A PDF of ``count`` transparent A4 sheets, sheet i showing the number i + 1 at its foot."""
+    from playwright.sync_api import sync_playwright
+
+    sheets = "".join(f"<div><span>{n}</span></div>" for n in range(1, count + 1))
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        page = browser.new_page()
+        page.set_content(NUMBERS_HTML + sheets)
+        pdf = page.pdf(format="A4", margin={"top": "0", "bottom": "0", "left": "0", "right": "0"})
+        browser.close()
+    return pdf
+
+
+def number(writer) -> None:
+    """Write its number at the foot of every page of ``writer``."""
+    from pypdf import PdfReader
+
+    numbers = PdfReader(io.BytesIO(page_numbers(len(writer.pages)))).pages
+    assert len(numbers) == len(writer.pages), "the number sheets did not come out one a page"
+    for page, sheet in zip(writer.pages, numbers):
+        page.merge_page(sheet)
+
+
 def merge(pages: list[tuple[str | None, str]], base: str, printed: list[tuple[bytes, dict]]):
     """One PDF of the printed pages (a pypdf ``PdfWriter``), with an outline, and links between
     pages made internal."""
@@ -181,6 +218,7 @@ def main(argv: list[str] | None = None) -> None:
     start = time.monotonic()
     pages = toc_pages(args.toc)
     writer = merge(pages, *print_pages(args.html.resolve(), [path for _, path in pages]))
+    number(writer)
     config = yaml.safe_load(args.config.read_text())
     writer.add_metadata({"/Title": config["title"], "/Author": config["author"]})
     with open(out, "wb") as f:
