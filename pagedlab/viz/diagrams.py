@@ -23,7 +23,7 @@ from pagedlab.memory.prefix_cache import block_key
 __all__ = [
     "artists", "cache_layout", "decode_grid", "split_ranges", "split_merge", "hash_chain",
     "state_machine", "kv_heads", "traffic_bars", "varlen_tiles", "chunk_mask", "online_sweep",
-    "free_list_moves", "scheduler_steps", "tensor_parallel_blocks",
+    "free_list_moves", "scheduler_steps", "tensor_parallel_blocks", "slot_loads",
 ]
 
 WIDTH = 7.0  # inches: the page width
@@ -98,6 +98,38 @@ def cache_layout(cache) -> Figure:
         zoom = (left + (1 % n) * w, left + (1 % n + 1) * w)
     ax.text(0, -0.4, f"shape {list(shape)}, {size} bytes per value; each shaded cell is "
             "opened up in the tier below it", fontsize=FONT, color="#555555")
+    return fig
+
+
+def slot_loads(loads: Mapping[tuple[int, ...], Sequence[int]], cache) -> Figure:
+    """The cache's token slots each program loaded, as :func:`pagedlab.viz.loads.record_loads`
+    recorded them.
+
+    ``loads`` maps a program's grid coordinates to element offsets into ``cache``
+    (``[num_blocks, block_size, ...]``); an offset's slot is ``offset // cache.stride(1)``, that
+    is ``block * block_size + token``. One row per program, the cache's blocks side by side along
+    it, each labelled with its physical id; the slots the program loaded are filled.
+    """
+    num_blocks, block_size = cache.shape[:2]
+    step = block_size + 0.5  # a block's slots, then a gap
+    left = 0.3 * num_blocks * step  # room for the programs' names
+    fig, ax = _canvas(1.1 + 0.45 * len(loads), (-left, num_blocks * step), (-1.3, len(loads) + 0.8))
+    ax.text(-0.3, len(loads) + 0.3, "physical block", ha="right", fontsize=FONT)
+    for b in range(num_blocks):
+        ax.text(b * step + block_size / 2, len(loads) + 0.3, str(b), ha="center", fontsize=FONT,
+                gid="block")
+    for r, (program, offsets) in enumerate(loads.items()):
+        y, color = len(loads) - 1 - r, COLORS[r % len(COLORS)]
+        name = ", ".join(map(str, program))
+        ax.text(-0.3, y + 0.4, f"program {name}", ha="right", va="center", fontsize=FONT)
+        slots = {o // cache.stride(1) for o in offsets}
+        for s in range(num_blocks * block_size):
+            b, t = divmod(s, block_size)
+            _box(ax, b * step + t, y, 1, 0.8, gid="slot" if s in slots else None,
+                 fill=color if s in slots else "#ffffff", edge="#bbbbbb")
+    ax.text(-left, -0.75, f"each block holds {block_size} token slots; a filled slot is one whose "
+            "values the program loaded\n(masked lanes load nothing)", fontsize=FONT,
+            color="#555555", va="center")
     return fig
 
 
