@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from _tiny import tiny_hf
-from pagedlab import LLM
+from pagedlab import LLM, SamplingParams
 from pagedlab.model import from_hf
 from pagedlab.sim.calibration import (
     FittedCostModel,
@@ -264,6 +264,14 @@ def test_relative_errors_are_the_models_time_over_the_measured_one_minus_one():
     assert relative_errors(half, steps) == pytest.approx([1.0, -0.5])
 
 
+
+def test_relative_errors_price_a_chunk_after_its_cached_tokens():
+    """A prompt chunk of 4 tokens after 6 cached ones reads those 6: at 0.01 s a key read and
+    0.25 s a step the model prices it 0.31 s, twice the 0.155 s measured."""
+    per_key = FittedCostModel(0.25, {"kv_tokens_read": 0.01}, 1, 1.0)
+    steps = [StepTiming(0, 0.155, StepShape((4,), (6,), ()))]
+    assert relative_errors(per_key, steps) == pytest.approx([1.0])
+
 def test_profile_covers_prefills_decodes_and_mixed_steps():
     llm = LLM(from_hf(tiny_hf("llama-mha-d32")), block_size=4, num_gpu_blocks=64)
     steps = profile(llm, batch_sizes=(1, 4), prompt_lens=(3, 9), output_len=3)
@@ -291,6 +299,33 @@ def test_profile_times_on_its_clock_runs_every_request_to_its_length_and_skips_t
     with pytest.raises(ValueError, match=r"^output_len=2.5 must be an integer$"):
         profile(llm, output_len=2.5)
 
+
+
+def test_profile_asks_for_seeded_prompts_decoded_greedily_as_a_replay_does(monkeypatch):
+    """profile's requests as the engine sees them: an untimed 'profile-warmup' of 8 tokens,
+    then 'profile-{batch}-{length}-{i}'. Their prompts are numpy's default_rng(seed) draws over
+    the whole vocabulary, in that order (seed 0 unless given), so a profile can be rebuilt from
+    its seed; each decodes greedily to output_len tokens (16 unless given) as replay's requests
+    do, so the fit times the work a replay runs: its tokens are those greedy generation gives."""
+    llm = LLM(from_hf(tiny_hf("llama-mha-d32")), block_size=4, num_gpu_blocks=64)
+    asked, add = [], llm.add_request
+
+    def spy(request_id, prompt, params, *args, **kwargs):
+        group = add(request_id, prompt, params, *args, **kwargs)
+        asked.append((request_id, prompt, group))
+        return group
+
+    monkeypatch.setattr(llm, "add_request", spy)
+    profile(llm, batch_sizes=(1,), prompt_lens=(5,))
+    profiled = list(asked)
+    vocab, rng = llm.model.args.vocab_size, np.random.default_rng(0)
+    assert [(rid, prompt) for rid, prompt, _ in profiled] == [
+        ("profile-warmup", rng.integers(0, vocab, 8).tolist()),
+        ("profile-1-5-0", rng.integers(0, vocab, 5).tolist())]
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    for _, prompt, group in profiled:
+        (out,) = llm.generate([prompt], greedy, use_tqdm=False)
+        assert group.seqs[0].output_token_ids == list(out.outputs[0].token_ids)
 
 def test_a_cpu_clock_counts_work_and_skipped_sleep_but_not_waiting():
     """A CPUClock advances by this process's CPU time: spinning counts, a real sleep (time the

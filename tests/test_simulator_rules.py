@@ -4,18 +4,23 @@ found them unchecked: tests/MUTATION.md)."""
 import math
 import re
 
+import numpy as np
 import pytest
 from scheduling import make
 
-from pagedlab.engine import BeamSearchParams, SamplingParams, SchedulerConfig
-from pagedlab.sim import synthetic_requests
+from pagedlab.engine import BeamSearchParams, SamplingParams, Scheduler, SchedulerConfig
+from pagedlab.engine.step import run_step
+from pagedlab.memory.contiguous import CATEGORIES
+from pagedlab.sim import simulator, synthetic_requests
 from pagedlab.sim.calibration import FittedCostModel
 from pagedlab.sim.cost_model import CostModel
+from pagedlab.sim.memory_sim import SYSTEMS
 from pagedlab.sim.simulator import (
     TOKEN,
     PagedConfig,
     Point,
     SimExecutor,
+    _drafter,
     knee_rate,
     knee_rates,
     simulate_paged,
@@ -282,3 +287,151 @@ def test_a_sim_executor_accepts_nothing_costs_no_draft_and_draws_from_seed_0_by_
     default, seeded = SimExecutor(COST, 16), SimExecutor(COST, 16, seed=0)
     assert (default.acceptance_rate, default.draft_cost) == (0.0, 0.0)
     assert default.rng.random(4).tolist() == seeded.rng.random(4).tolist()
+
+
+# --- speculative decoding: what a draft costs and which proposals are kept ----------------------
+
+SPEC = SchedulerConfig(speculative_config={"num_speculative_tokens": 2})
+
+
+class Recording(Scheduler):
+    """The engine's scheduler, keeping each request's group and, after each step, how many
+    tokens each request has (the simulator takes any Scheduler subclass)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.groups, self.tokens = {}, []
+
+    def add_request(self, request_id, *args, **kwargs):
+        self.groups[request_id] = super().add_request(request_id, *args, **kwargs)
+        return self.groups[request_id]
+
+    def update(self, outputs):
+        finished = super().update(outputs)
+        self.tokens.append({rid: len(g.seqs[0].output_token_ids)
+                            for rid, g in self.groups.items()})
+        return finished
+
+
+def run_recorded(requests, cost, config):
+    """simulate_paged with a Recording scheduler: the run, and the scheduler it ran."""
+    made = []
+
+    def build(*args, **kwargs):
+        made.append(Recording(*args, **kwargs))
+        return made[0]
+
+    return simulate_paged(requests, cost, config, scheduler_class=build), made[0]
+
+
+def test_a_draft_pass_costs_draft_cost_of_the_targets_decode_step_over_the_same_sequence():
+    """A (prompt 4, 7 tokens), 2 proposals a step, all accepted: its verification steps begin
+    with 5 and 8 tokens in its context, so a draft of cost c adds c times 2 decode steps of the
+    target over those contexts, the price of the plain run's 2nd and 5th steps. Checked with a
+    cost model that prices each key read (a fit: one token off changes the price) and one that
+    reads whole blocks (the datasheet's: a pass priced without the block size reads fewer)."""
+    per_key = FittedCostModel(0.5, {"decode_seqs": 0.01, "kv_tokens_read": 0.001},
+                              kv_bytes_per_token=2**16, swap_bandwidth=2**20)
+    c = 0.25
+    for cost in (per_key, COST):
+        def durations(scheduler=SchedulerConfig(), **config):
+            return simulate_paged([Request(0, 0.0, 4, 7)], cost, PagedConfig(
+                block_size=4, num_gpu_blocks=16, scheduler=scheduler, **config)).duration
+
+        plain, free = durations(), durations(SPEC, acceptance_rate=1.0)
+        drafted = durations(SPEC, acceptance_rate=1.0, draft_cost=c)
+        assert len(plain) == 7 and len(free) == len(drafted) == 3  # 1 + 3 + 3 tokens
+        assert drafted[0] == free[0]  # the prompt's step drafts nothing
+        assert drafted[1:] - free[1:] == pytest.approx(c * 2 * plain[[1, 4]], rel=1e-9)
+
+
+def test_only_the_sequences_that_proposed_take_accepted_tokens():
+    """Every proposal accepted: A (prompt 4, 7 tokens) takes 1, then 3, then 3 tokens a step.
+    B (prompt 4, 2 tokens) arrives during A's first step; it prefills beside A's verification
+    and then, one token left, proposes nothing: it takes one token a step, as without
+    speculation, though the steps it runs in verify A's proposals."""
+    run, sched = run_recorded([Request(0, 0.0, 4, 7), Request(1, 0.25, 4, 2)], HALF_SECOND,
+                              PagedConfig(block_size=4, num_gpu_blocks=16, scheduler=SPEC,
+                                          acceptance_rate=1.0))
+    assert sched.tokens == [{0: 1}, {0: 4, 1: 1}, {0: 7, 1: 2}]
+    assert run.finish.tolist() == [1.5, 1.5]
+
+
+def test_accepted_placeholders_are_as_certain_as_sampled_ones():
+    """A placeholder has log-probability 0 (probability 1), whether sampled or an accepted
+    proposal: after a run in which A accepts 4 proposals, every sequence's cumulative
+    log-probability is still 0, as after a run without speculation."""
+    _, sched = run_recorded([Request(0, 0.0, 4, 7), Request(1, 0.25, 4, 2)], HALF_SECOND,
+                            PagedConfig(block_size=4, num_gpu_blocks=16, scheduler=SPEC,
+                                        acceptance_rate=1.0))
+    assert sched.spec_stats.num_accepted_tokens == 4
+    assert [g.seqs[0].cumulative_logprob for g in sched.groups.values()] == [0.0, 0.0]
+
+
+class Draws:
+    """A generator whose every draw is ``u`` (numpy's draws are uniform on [0, 1), so 0 is
+    one of them)."""
+
+    def __init__(self, u):
+        self.u = u
+
+    def random(self, k):
+        return np.full(k, self.u)
+
+
+@pytest.mark.parametrize("rate, u, accepted", [
+    (0.0, 0.0, 0), (0.5, 0.5, 0), (0.5, np.nextafter(0.5, 0), 2), (1.0, np.nextafter(1, 0), 2)])
+def test_a_proposal_is_accepted_when_its_draw_is_below_the_acceptance_rate(rate, u, accepted):
+    """A proposal is accepted when its draw u, uniform on [0, 1), is below acceptance_rate: that
+    has probability exactly acceptance_rate. So a rate of 0 accepts nothing, even at the draw
+    0; a draw equal to the rate is not accepted, the one just below it is; a rate of 1 accepts
+    every draw. A prompt of 4 placeholders, 2 proposals verified in its second step."""
+    sched = sim_scheduler(num_blocks=16, speculative_config={"num_speculative_tokens": 2})
+    group = sched.add_request("a", [TOKEN] * 4, SamplingParams(max_tokens=7))
+    executor = SimExecutor(COST, 4, acceptance_rate=rate)
+    executor.rng = Draws(u)
+    drafter = _drafter(sched.config)
+    run_step(sched, executor, drafter=drafter)  # the prompt's token, then 2 proposals
+    step, _, _ = run_step(sched, executor, drafter=drafter)
+    assert step.num_draft_tokens == 2
+    assert len(group.seqs[0].output_token_ids) == 1 + accepted + 1  # and the verifier's own
+
+
+def test_every_slot_category_counts_whole_slots_in_every_system():
+    """Slots are counted, never split: every category of a paged run, the ones paging never
+    fills included, is an integer array, as each baseline's is (a table of them prints 0,
+    not 0.0)."""
+    requests = [Request(0, 0.0, 4, 3), Request(1, 0.5, 6, 2)]
+    for system in SYSTEMS:
+        res = simulate_system(system, requests, COST)
+        assert {c: res.slots[c].dtype.kind for c in CATEGORIES} == dict.fromkeys(CATEGORIES, "i")
+
+
+class FakePool:
+    """Stands for ProcessPoolExecutor: records the workers asked for, maps in this process."""
+
+    made = []
+
+    def __init__(self, max_workers):
+        self.made.append(max_workers)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def map(self, fn, jobs):
+        return map(fn, jobs)
+
+
+def test_a_sweep_runs_here_unless_given_more_than_one_worker_and_then_in_that_many(monkeypatch):
+    """By default (workers=1) the points are computed in this process; workers=n > 1 asks for a
+    pool of exactly n processes (a fake pool records it: the same points)."""
+    monkeypatch.setattr(simulator, "ProcessPoolExecutor", FakePool)
+    monkeypatch.setattr(FakePool, "made", [])
+    args = (["paged"], "alpaca", [0.5], COST)
+    runs = [sweep(*args, duration=20.0, min_requests=5, **workers)
+            for workers in ({}, {"workers": 1}, {"workers": 2}, {"workers": 3})]
+    assert FakePool.made == [2, 3]
+    assert runs[1:] == [runs[0]] * 3

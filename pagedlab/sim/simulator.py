@@ -4,8 +4,9 @@ The paged system runs the very :class:`~pagedlab.engine.Scheduler` and
 :class:`~pagedlab.memory.KVCacheManager` that the engine runs (chapter 8). Only the executor
 differs: where :class:`~pagedlab.engine.ModelRunner` runs a model, :class:`SimExecutor` asks a
 :class:`~pagedlab.sim.cost_model.CostModel` how long the step would take and hands back
-placeholder tokens. Each request asks for exactly its trace's output length (``max_tokens``
-with ``ignore_eos``), so the trace, not a model, decides when it stops.
+placeholder tokens. Each request asks for exactly its trace's output length (``max_tokens``;
+the scheduler knows no end-of-sequence token, which only the ``LLM`` adds to a request's stop
+tokens), so the trace, not a model, decides when it stops.
 
 The baselines (FasterTransformer's static batching, Orca's Max / Pow2 / Oracle reservation)
 reserve contiguous regions, which the paged manager cannot express; they run through the
@@ -134,7 +135,7 @@ def simulate_paged(
     scheduler = scheduler_class(manager, sched_config)
     drafter = _drafter(sched_config)
     executor = SimExecutor(cost, bs, config.acceptance_rate, draft_cost=config.draft_cost)
-    params = {r.id: SamplingParams(n=config.n, max_tokens=r.output_len, ignore_eos=True)
+    params = {r.id: SamplingParams(n=config.n, max_tokens=r.output_len)
               for r in requests}
     pending = sorted(requests, key=lambda r: (r.arrival, r.id))
     first, finish = {}, {}  # request id -> seconds of its first and last token
