@@ -142,7 +142,9 @@ def fit_cost_model(steps: Sequence[StepTiming], names: Sequence[str] = DEFAULT_F
                    kv_bytes_per_token: int, swap_bandwidth: float) -> FittedCostModel:
     """Least squares: ``duration ~ constant + sum(coefficient * feature)`` over ``steps``,
     every coefficient >= 0: more work never makes a step cheaper, and a noisy profile must not
-    price a cached token read below zero. A feature the data cannot price comes out 0.
+    price a cached token read below zero. A feature no step has comes out 0; features the
+    data cannot tell apart (every step decoding the same 2 sequences, say) share the time
+    between them as least squares happens to split it, so profile a spread of shapes.
 
     Plain, unweighted squares: with a constant term the fitted times then add up to the
     measured total, and a request's latency is a sum of step times. (Weighing each step by
