@@ -577,3 +577,21 @@ def test_every_block_view_is_an_image_named_in_words(chapter):
     unnamed = [(role, label[:40], title[:40]) for role, label, title in page.svgs
                if role != "img" or not label.strip() or not title.strip()]
     assert not unnamed, f"{len(unnamed)} of {len(page.svgs)} block views: {unnamed[:3]}"
+
+
+def test_the_figure_checks_read_what_myst_nb_writes():
+    """The two checks above pass only if they find what they check: the parser on a made-up page,
+    then the built book, which has images and block views."""
+    page = Figures('<figure id="f"><a href="x"><img alt="a plot" src="../_images/ab.png"></a>'
+                   '<figcaption><p><span>Fig. 1 </span><span>A caption.</span></p></figcaption>'
+                   '</figure><img alt="../_images/cd.png" src="../_images/cd.png">'
+                   '<img alt="Colab logo" src="../_static/images/logo_colab.png">'
+                   '<div class="pagedlab-blockview"><svg role="img" aria-label="seq A">'
+                   '<title>seq A</title><g><title>block 0</title></g></svg></div>'
+                   '<div class="pagedlab-frame-svg"><svg><rect/><title>late</title></svg></div>'
+                   '<svg class="sd-octicon" aria-hidden="true"></svg>')
+    assert page.images == [["../_images/ab.png", "a plot", "Fig. 1 A caption."],
+                           ["../_images/cd.png", "../_images/cd.png", None]]
+    assert page.svgs == [["img", "seq A", "seq A"], [None, "", ""]]
+    chapters = [Figures(p.read_text()) for p in sorted((BUILT / "book").glob("ch*.html"))]
+    assert sum(len(c.images) for c in chapters) >= 30 and sum(len(c.svgs) for c in chapters) >= 30
