@@ -16,7 +16,9 @@ fetched once into `_build/cdn` (tools/book_browser.py, which the book's PDF shar
 sees what an online reader sees without depending on those hosts. Screenshots of every page at both widths go to `_build/screenshots`, for a
 person to look at. Each chapter's page must also hold its executed outputs and a Colab button
 to its notebook, and its glossary links must land on entries; chapter 1's calculator must
-recompute in the page as `kv_summary` does.
+recompute in the page as `kv_summary` does. Every figure must say what it shows to a reader who
+cannot see it: a chapter's image sits in a captioned <figure> with alt text that is not its file
+name, and a block view's SVG is an image named in words.
 
 These are the only tests that read the build: `make test` runs the rest beside the build.
 `PAGEDLAB_BOOK_HTML` points them at another build's html folder (its `cdn` and `screenshots`
@@ -28,6 +30,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
@@ -482,3 +485,113 @@ def test_every_glossary_link_of_a_chapter_lands_on_an_entry(chapter):
     assert targets - {"glossary"} or "{term}" not in chapter.read_text(), \
         f"{chapter.stem} uses {{term}} but its page links no glossary entry"
     assert targets <= ids, f"{chapter.stem}: links to missing glossary entries {sorted(targets - ids)}"
+
+
+class Figures(HTMLParser):
+    """A page's chapter images (``_images/``; the theme's icons and logos live in ``_static``)
+    with their alt text and the caption of the <figure> they sit in, and its block views' SVGs
+    (the root <svg> of a ``pagedlab-*`` box, pagedlab.viz.block_view.scroll_box) with their
+    role, their aria-label and the text of their first child if it is a <title>."""
+
+    def __init__(self, html: str):
+        super().__init__()
+        self.images, self.svgs = [], []  # [src, alt, caption or None], [role, label, title]
+        self._figures, self._in_caption, self._svg_depth, self._title = [], False, 0, None
+        self._last_start = ("", {})
+        self.feed(html)
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "figure":
+            self._figures.append([])
+        elif tag == "figcaption":
+            self._in_caption = True
+        elif tag == "img" and "_images/" in (attrs.get("src") or ""):
+            image = [attrs["src"], attrs.get("alt") or "", None]
+            self.images.append(image)
+            if self._figures:
+                self._figures[-1].append(image)
+        elif tag == "svg":
+            last_tag, last_attrs = self._last_start
+            if self._svg_depth == 0 and last_tag == "div" \
+                    and (last_attrs.get("class") or "").startswith("pagedlab-"):
+                self.svgs.append([attrs.get("role"), attrs.get("aria-label") or "", ""])
+                self._title = ""  # the next start tag says whether the first child is a title
+            self._svg_depth += 1
+        elif self._title == "" and self._svg_depth == 1:
+            self._title = None if tag != "title" else self.svgs[-1]
+        self._last_start = (tag, attrs)
+
+    def handle_endtag(self, tag):
+        if tag == "figure" and self._figures:
+            images = self._figures.pop()
+            for image in images:
+                image[2] = image[2] or ""
+        elif tag == "figcaption":
+            self._in_caption = False
+        elif tag == "svg":
+            self._svg_depth = max(0, self._svg_depth - 1)
+        elif tag == "title":
+            self._title = None
+
+    def handle_data(self, data):
+        if self._in_caption and self._figures:
+            for image in self._figures[-1]:
+                image[2] = (image[2] or "") + data
+        if isinstance(self._title, list):
+            self._title[2] += data
+
+
+# Chapter 6 is being restructured on its own branch; its figure cells' captions and alt text wait
+# for it (proposed in issue 48). The mark is strict: once they are in, this test fails until it goes.
+CHAPTERS_AWAITING_CAPTIONS = {"ch06_scheduling"}
+
+
+@pytest.mark.parametrize("chapter", [
+    pytest.param(p, marks=pytest.mark.xfail(strict=True, reason="figure captions wait for ch06's "
+                                            "restructure")) if p.stem in CHAPTERS_AWAITING_CAPTIONS
+    else p for p in sorted((ROOT / "book").glob("ch*.md"))], ids=lambda p: p.stem)
+def test_every_chapter_image_has_alt_text_and_a_caption(chapter):
+    """A screen reader reads an image's alt text, and MyST-NB's default is the image's file name
+    (`../_images/b39c...png`); every reader sees the caption (review 2026-12-04, row 10). A
+    chapter sets both in its figure cell's metadata (`mystnb: {figure: {caption, name},
+    image: {alt}}`), which wraps the output in a captioned <figure>."""
+    page = Figures((BUILT / "book" / f"{chapter.stem}.html").read_text())
+    problems = []
+    for src, alt, caption in page.images:
+        name = src.rsplit("/", 1)[-1]
+        if not alt.strip() or name in alt or re.search(r"\.(png|jpe?g|gif|svg)$", alt.strip()):
+            problems.append(f"{name[:12]}: alt text {alt!r} is no description")
+        if caption is None:
+            problems.append(f"{name[:12]}: not in a <figure>")
+        elif not caption.strip():
+            problems.append(f"{name[:12]}: its <figure> has no caption")
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("chapter", sorted((ROOT / "book").glob("ch*.md")), ids=lambda p: p.stem)
+def test_every_block_view_is_an_image_named_in_words(chapter):
+    """A block view (or a player's frame, or a playground's picture) is inline SVG: without a
+    role and a name a screen reader reads its few hundred numbers one by one, out of order."""
+    page = Figures((BUILT / "book" / f"{chapter.stem}.html").read_text())
+    unnamed = [(role, label[:40], title[:40]) for role, label, title in page.svgs
+               if role != "img" or not label.strip() or not title.strip()]
+    assert not unnamed, f"{len(unnamed)} of {len(page.svgs)} block views: {unnamed[:3]}"
+
+
+def test_the_figure_checks_read_what_myst_nb_writes():
+    """The two checks above pass only if they find what they check: the parser on a made-up page,
+    then the built book, which has images and block views."""
+    page = Figures('<figure id="f"><a href="x"><img alt="a plot" src="../_images/ab.png"></a>'
+                   '<figcaption><p><span>Fig. 1 </span><span>A caption.</span></p></figcaption>'
+                   '</figure><img alt="../_images/cd.png" src="../_images/cd.png">'
+                   '<img alt="Colab logo" src="../_static/images/logo_colab.png">'
+                   '<div class="pagedlab-blockview"><svg role="img" aria-label="seq A">'
+                   '<title>seq A</title><g><title>block 0</title></g></svg></div>'
+                   '<div class="pagedlab-frame-svg"><svg><rect/><title>late</title></svg></div>'
+                   '<svg class="sd-octicon" aria-hidden="true"></svg>')
+    assert page.images == [["../_images/ab.png", "a plot", "Fig. 1 A caption."],
+                           ["../_images/cd.png", "../_images/cd.png", None]]
+    assert page.svgs == [["img", "seq A", "seq A"], [None, "", ""]]
+    chapters = [Figures(p.read_text()) for p in sorted((BUILT / "book").glob("ch*.html"))]
+    assert sum(len(c.images) for c in chapters) >= 30 and sum(len(c.svgs) for c in chapters) >= 30

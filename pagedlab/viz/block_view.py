@@ -4,7 +4,10 @@ Hand-written SVG: crisp at any zoom, a few kilobytes, and shown without JavaScri
 book, JupyterLab, classic Notebook and Colab. Each sequence is a row of logical blocks, each
 naming its physical block and how many of its slots hold tokens; the pool below colours every
 physical block by its number of users, marks parked prefix-cache blocks, outlines the blocks
-the last event touched and draws a copy-on-write as an arrow from source to copy.
+the last event touched and draws a copy-on-write as an arrow from source to copy. The picture
+is also said in words (:func:`describe`): the SVG is an image (``role="img"``) named by that
+text, in its ``aria-label`` and its ``<title>``, so a screen reader reads the tables and the
+pool rather than a list of numbers out of order.
 """
 
 from __future__ import annotations
@@ -147,12 +150,45 @@ def _legend(y: float) -> tuple[list[str], float]:
     return parts, x + 120
 
 
+def _block_list(blocks: Sequence[int], max_blocks: int) -> str:
+    shown = ", ".join(map(str, blocks[:max_blocks]))
+    more = len(blocks) - max_blocks
+    return f"block{'s' * (len(blocks) != 1)} {shown}" + (f" and {more} more" if more > 0 else "")
+
+
+def describe(snap: Snapshot, title: str | None = None, max_blocks: int = 16) -> str:
+    """What the picture of ``snap`` shows, in words: its title, each sequence's blocks (as many
+    as its row draws), and the pool's counts. The SVG's accessible name (see :func:`block_svg`)."""
+    title = snap.caption if title is None else title
+    words = [f"Paged KV cache, {title}."]
+    for seq_id, blocks in snap.tables.items():
+        n = snap.num_tokens[seq_id]
+        words.append(f"seq {seq_id}: {n} token{'s' * (n != 1)} in "
+                     f"{_block_list(blocks, max_blocks)}.")
+    for seq_id, blocks in snap.swapped.items():
+        words.append(f"seq {seq_id}: swapped out to CPU {_block_list(blocks, max_blocks)}.")
+    if not snap.tables and not snap.swapped:
+        words.append("No sequences.")
+    refs = snap.refcounts
+    used, shared = sum(r > 0 for r in refs), sum(r > 1 for r in refs)
+    free = snap.num_blocks - used - len(snap.parked)
+    pool = (f"GPU pool of {snap.num_blocks} blocks of {snap.block_size} tokens: {used} in use"
+            + (f" ({shared} shared)" if shared else ""))
+    if snap.parked:
+        pool += f", {len(snap.parked)} cached and free"
+    words.append(f"{pool}, {free} free.")
+    if snap.touched:
+        words.append(f"The event touched {_block_list(sorted(snap.touched), max_blocks)}.")
+    return " ".join(words)
+
+
 def block_svg(snap: Snapshot, title: str | None = None, *,
               colors: dict[Hashable, str] | None = None, max_blocks: int = 16) -> str:
     """The SVG markup of ``snap``: block tables, the pool, a legend; titled by its caption.
 
     ``colors`` maps sequences to colours (default: :func:`seq_colors` of this snapshot);
-    rows show at most ``max_blocks`` logical blocks.
+    rows show at most ``max_blocks`` logical blocks. The SVG is an image (``role="img"``)
+    whose ``aria-label`` and ``<title>`` say what it shows (:func:`describe`).
     """
     colors = seq_colors([snap]) if colors is None else colors
     title = snap.caption if title is None else title
@@ -172,8 +208,10 @@ def block_svg(snap: Snapshot, title: str | None = None, *,
     defs = (f'<defs><marker id="arrow" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="6" '
             f'markerHeight="6" orient="auto"><path d="M0,0 L10,5 L0,10 z" fill="{EVENT}"/>'
             f'</marker></defs>')
+    label = describe(snap, title, max_blocks)
     return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:g}" height="{height:g}" '
-            f'viewBox="0 0 {width:g} {height:g}" font-family="sans-serif">'
+            f'viewBox="0 0 {width:g} {height:g}" font-family="sans-serif" role="img" '
+            f'aria-label="{escape(label)}"><title>{escape(label)}</title>'
             f'<rect width="100%" height="100%" fill="#fff"/>{defs}{"".join(parts)}</svg>')
 
 
