@@ -542,15 +542,7 @@ class Figures(HTMLParser):
             self._title[2] += data
 
 
-# Chapter 6 is being restructured on its own branch; its figure cells' captions and alt text wait
-# for it (proposed in issue 48). The mark is strict: once they are in, this test fails until it goes.
-CHAPTERS_AWAITING_CAPTIONS = {"ch06_scheduling"}
-
-
-@pytest.mark.parametrize("chapter", [
-    pytest.param(p, marks=pytest.mark.xfail(strict=True, reason="figure captions wait for ch06's "
-                                            "restructure")) if p.stem in CHAPTERS_AWAITING_CAPTIONS
-    else p for p in sorted((ROOT / "book").glob("ch*.md"))], ids=lambda p: p.stem)
+@pytest.mark.parametrize("chapter", sorted((ROOT / "book").glob("ch*.md")), ids=lambda p: p.stem)
 def test_every_chapter_image_has_alt_text_and_a_caption(chapter):
     """A screen reader reads an image's alt text, and MyST-NB's default is the image's file name
     (`../_images/b39c...png`); every reader sees the caption (review 2026-12-04, row 10). A
