@@ -442,3 +442,63 @@ def _lib(fn, *args):
     thread.join()
     return out[0] if out else None
 """ + _DELEGATES
+
+# The review's C18 and C17 at the process level (no bubblewrap, so the submission's process runs
+# beside the grader and the other submissions): kill the grader, its parent; or stop each process
+# the grader started beside it (its own judge, a neighbour's judge and submission's process),
+# write an early end into every pipe they and the grader hold (the neighbour's results among
+# them), and kill them. Only the grader's own children are touched (other graders may run here).
+KILLS_THE_GRADER = """# PAST_THE_RULES
+import os
+os.kill(os.getppid(), 9)
+"""
+STOPS_AND_FORGES_A_NEIGHBOUR = """# PAST_THE_RULES
+import os, signal, time
+me, grader = os.getpid(), os.getppid()
+
+
+def siblings():
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if parent == grader and int(pid) != me:
+            found.append(int(pid))
+    return found
+
+
+end = time.time() + 60
+while len(siblings()) < 3 and time.time() < end:  # its judge, and a neighbour's two processes
+    time.sleep(0.05)
+done = []
+for pid in siblings():
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        done.append(f"stopped {pid}")
+    except OSError as err:
+        done.append(f"stop {pid}: {err.strerror}")
+for pid in [*siblings(), grader]:
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError as err:
+        done.append(f"fds of {pid}: {err.strerror}")
+        continue
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("pipe:"):
+                out = os.open(f"/proc/{pid}/fd/{fd}", os.O_WRONLY | os.O_NONBLOCK)
+                os.write(out, b'{"done": true}\\n')
+                os.close(out)
+                done.append(f"forged into {pid}/{fd}")
+        except OSError:
+            pass
+for pid in siblings():
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except OSError:
+        pass
+print(done)
+"""

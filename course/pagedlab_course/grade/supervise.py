@@ -39,7 +39,7 @@ def supervise(job: dict, timeout: float, limits: sandbox.Limits) -> dict:
                 os.mkdir(os.path.join(scratch, name))
             procs.append(sandbox.start([sys.executable, "-m", "pagedlab_course.grade.worker", json.dumps(
                 {k: job["forbid"][k] for k in ("modules", "callables")})], os.path.join(scratch, "worker"), limits,
-                stdin=requests[0], stdout=answers[1], hide=job["forbid"]["paths"]))
+                stdin=requests[0], stdout=answers[1], hide=job["forbid"]["paths"], sealed=True))
             procs.append(sandbox.start([sys.executable, "-m", "pagedlab_course.grade.judge", str(requests[1]),
                                         str(answers[0])], os.path.join(scratch, "judge"), limits,
                                        pass_fds=(requests[1], answers[0])))
