@@ -502,3 +502,12 @@ for pid in siblings():
         pass
 print(done)
 """
+
+# The review of the channel (issue 46, item 1): an honest-looking cell whose error message holds a
+# lone surrogate (a string escape the rules have no reason to refuse). The message crossed the
+# channel and the judge's results as JSON escapes, and the grader's report printed it: UTF-8
+# cannot encode it, so the command ended after grading, with no gradebook and no JSON.
+LONE_SURROGATE = '''
+def block_stats(x, block_size):
+    raise ValueError("no stats \\ud800 for you")
+'''

@@ -286,3 +286,24 @@ def test_cheats_in_the_submissions_process_earn_nothing_and_never_see_a_check(tm
     reports = grade_many(paths, extra_checks=[instructor])
     wrong = [f"{label}:\n{r.text()}" for (label, (_, must)), r in zip(cases.items(), reports) if not must(r) or leaked(r)]
     assert not wrong, "\n\n".join(wrong)
+
+
+@pytest.mark.slow
+def test_a_message_utf8_cannot_write_costs_no_gradebook(tmp_path):
+    """Found reviewing the channel: an error message with a lone surrogate reached the report's
+    text, and printing it raised UnicodeEncodeError after the batch was graded: no CSV, no JSON,
+    for anyone. The grader keeps it as an escape (``\\ud800``), which every output can write."""
+    batch = tmp_path / "batch"
+    batch.mkdir()
+    a1 = next(SOLUTIONS.glob("A1_*.ipynb"))
+    shutil.copy(a1, batch / "A1_honest.ipynb")
+    nbformat.write(cheats.cheat(nbformat.read(a1, as_version=4), {"A1.1": cheats.LONE_SURROGATE}),
+                   batch / "A1_surrogate.ipynb")
+    gradebook, report = tmp_path / "grades.csv", tmp_path / "grades.json"
+    done = subprocess.run([sys.executable, "-m", "pagedlab_course.grade", str(batch), "--task", "A1.1",
+                           "--csv", str(gradebook), "--json", str(report)], capture_output=True, timeout=900)
+    assert done.returncode == 1 and b"Traceback" not in done.stderr, done.stderr.decode(errors="replace")[-2000:]
+    rows = {row["notebook"]: row for row in csv.DictReader(gradebook.open())}
+    assert rows["A1_honest.ipynb"]["status"] == "passed" and rows["A1_surrogate.ipynb"]["status"] == "failed"
+    assert b"no stats \\ud800 for you" in done.stdout
+    assert "no stats \\\\ud800 for you" in report.read_text()  # the escape's backslash, escaped by JSON
