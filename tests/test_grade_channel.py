@@ -71,3 +71,20 @@ def test_a_shape_no_tensor_can_have_is_not_a_value(node):
     judge, _ = peer({"value": node, "blobs": [0]})
     with pytest.raises(Garbled):
         judge.ask("call", 0, None, ((), {}))
+
+
+def test_an_errors_attributes_are_plain_data_never_an_object_to_ask_again():
+    """The same through an attribute the judge's own class formats (A2's OutOfBlocks says how many
+    blocks were `needed`): a reference there was asked for its `__format__` after the alarm."""
+    class OutOfBlocks(Exception):
+        def __str__(self):
+            return f"needed {self.needed}"
+
+    channel = Forger({"error": {"type": "OutOfBlocks", "message": "m", "where": "", "attrs": {"needed": ref(7)}}},
+                     {"value": "what the student's __format__ says"})
+    judge = Peer(channel, lambda name, bases: OutOfBlocks)
+    with pytest.raises(OutOfBlocks) as raised:
+        judge.ask("call", 1, None, ((), {}))
+    with pytest.raises(AttributeError):
+        str(raised.value)
+    assert channel.asked == ["call"]

@@ -22,7 +22,7 @@ import time
 import types
 import weakref
 
-from pagedlab_course.grade.copyout import VIEWS, Garbled, blobs, decode
+from pagedlab_course.grade.copyout import SCALARS, VIEWS, Garbled, blobs, decode
 
 # A container's attributes answered from its snapshot; any other is a method run by the student.
 READS = {"list": {"copy", "index", "count"}, "deque": {"copy", "index", "count", "maxlen"},
@@ -149,13 +149,14 @@ class Peer:
         cls = self.exception_class(error["type"], bases)
         exc = cls.__new__(cls)
         args = decode(error["args"], values, self._remote) if "args" in error else None
-        plain = type(args) in (list, tuple) and all(type(a) in (type(None), bool, int, float, str) for a in args)
+        plain = type(args) in (list, tuple) and all(type(a) in SCALARS for a in args)
         exc.args = tuple(args) if plain else (error["message"],)  # never an object whose __str__ is asked later
         if not issubclass(cls, Exception):  # the timeout: the cell's limit, in the judge's words
             exc.args = (f"ran for more than {self.limit:g} s",)
         for name, node in _names(error.get("attrs", {}) if type(error.get("attrs")) is dict else {}):
-            if not hasattr(cls, name):  # the student's own attributes (``needed``), never a method's name
-                setattr(exc, name, decode(node, values, self._remote))
+            value = decode(node, values, self._remote)
+            if not hasattr(cls, name) and type(value) in SCALARS:  # the student's own (``needed``): plain, never a method
+                setattr(exc, name, value)
         exc.grade_where = error["where"][:300]
         return exc
 
