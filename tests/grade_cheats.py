@@ -269,7 +269,7 @@ def serve(workload, num_gpu_blocks, block_size=4, num_cpu_blocks=0, **config):
 # Issue 46, item 1 (the review's C01, C02, C25, C23, C24, C03, C04): cheats that worked because
 # the checks ran in the submission's own interpreter. Each got an undeserved grade or leaked an
 # instructor's check before the judge moved out of that interpreter (each was seen doing so), and
-# each gets past the rules of then and now. The stored outputs they copy are those of the student
+# each got past the rules of then; most are refused since (C27, C28), so their test lets them past. The stored outputs they copy are those of the student
 # copy, which keeps every expected output (C26).
 
 
