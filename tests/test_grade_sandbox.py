@@ -4,7 +4,10 @@ change, and the digest check that stands in for the sealed level where bubblewra
 import json
 import os
 import shutil
+import subprocess
 import sys
+
+from pathlib import Path
 
 import nbformat
 import pytest
@@ -266,3 +269,50 @@ def test_a_hang_in_one_task_loses_only_what_follows_it(tmp_path):
     a24 = report.task("A2.4")
     assert a24.hidden_passed == 1 and "check_find_violations" in "\n".join(a24.failures), report.text()
     assert "raised CellTimeout: ran for more than 30 s at your A2.4 cell (cell 22)" in "\n".join(a24.failures)
+
+
+# Grades a batch in a process of its own, at the process level, with the cells marked
+# PAST_THE_RULES let past the rules: a cell that kills its grader must not take the test run with it.
+BATCH_AT_THE_PROCESS_LEVEL = """
+import json, sys
+import grade_cheats
+from pagedlab_course.grade import grade_many, rules
+
+real = rules.check
+rules.check = lambda source, **kw: [] if "PAST_THE_RULES" in source else real(source, **kw)
+*paths, out = sys.argv[1:]
+batch = grade_many(paths, tasks=["A1.1"], allow_unsealed=True, seed=3)
+alone = grade_many([paths[1]], tasks=["A1.1"], seed=3)
+with open(out, "w") as f:
+    json.dump({"batch": [r.as_dict() for r in batch], "alone": alone[0].as_dict()}, f)
+"""
+
+
+@pytest.mark.slow
+def test_a_cell_at_the_process_level_can_neither_kill_the_grader_nor_touch_a_neighbour(tmp_path):
+    """The review's C18 (`kill(getppid(), 9)` ended the batch with no gradebook) and C17 (a cell
+    stopped its neighbour, wrote an end into its pipes through /proc and killed it: the neighbour
+    got 0) at the process level, where the submission's process ran as the grader's user (root,
+    here, whom undumpable processes do not stop). Its process now runs as a user of its own when
+    the grader is root, and under a seccomp filter that lets it signal nothing but itself."""
+    import grade_cheats as cheats
+
+    paths = a1_cheats(tmp_path, a_forges=cheats.STOPS_AND_FORGES_A_NEIGHBOUR, b_honest=None,
+                      c_kills=cheats.KILLS_THE_GRADER, d_honest=None)
+    a1 = next(SOLUTIONS.glob("A1_*.ipynb"))
+    for label in ("b_honest", "d_honest"):
+        shutil.copy(a1, paths[label])
+    out = tmp_path / "reports.json"
+    env = {**os.environ, "PAGEDLAB_GRADE_SANDBOX": "process",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", BATCH_AT_THE_PROCESS_LEVEL, *map(str, paths.values()), str(out)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and out.exists(), f"the grader died ({done.returncode}): {done.stderr[-2000:]}"
+    reports = json.loads(out.read_text())
+    forges, honest, kills, other = reports["batch"]
+    assert all(r["sandbox"] == "process" for r in reports["batch"])
+    assert honest == {**reports["alone"], "notebook": honest["notebook"]} and not honest["refused"]
+    assert all(t["passed"] == t["checks"] > 0 for r in (honest, other) for t in r["tasks"]), (honest, other)
+    for cheat in (forges, kills):
+        assert not cheat["refused"] and all(t["passed"] + t["hidden_passed"] == 0 for t in cheat["tasks"]), cheat
+    assert "forged into" not in json.dumps(forges) and "stopped" not in json.dumps(forges), forges["student_output"]

@@ -182,11 +182,14 @@ def test_no_file_stops_a_batch_and_its_neighbour_is_graded_as_alone(tmp_path, mo
 
 
 @pytest.mark.slow
-def test_a_result_that_compares_equal_to_anything_fails_the_hidden_check(tmp_path):
+def test_a_result_that_compares_equal_to_anything_fails_the_hidden_check(tmp_path, monkeypatch):
     """The review's C05: A5.4's hidden check compared the student's values with `!=`, which
-    Python answers with the student's own `__ne__`; it compares plain data now."""
+    Python answers with the student's own `__ne__`; it compares plain data now. (The rules refuse
+    `dict(__eq__=...)` since; the cell is let past them, so that the comparison is what is tested.)"""
+    cheats.let_past_the_rules(monkeypatch)
     a5 = nbformat.read(next(SOLUTIONS.glob("A5_*.ipynb")), as_version=4)
-    nbformat.write(cheats.cheat(a5, {"A5.4": cheats.AGREES_WITH_EVERYTHING}), tmp_path / "A5_anything.ipynb")
+    nbformat.write(cheats.cheat(a5, {"A5.4": "# PAST_THE_RULES\n" + cheats.AGREES_WITH_EVERYTHING}),
+                   tmp_path / "A5_anything.ipynb")
     report = grade_many([tmp_path / "A5_anything.ipynb"], tasks=["A5.4"])[0]
     assert not report.refused and report.task("A5.4").hidden == 1 and report.task("A5.4").hidden_passed == 0, report.text()
     assert "expected plain data" in report.text()
@@ -241,14 +244,19 @@ PRIVATE = {  # an instructor's checks, each failing when its task is not impleme
 
 
 @pytest.mark.slow
-def test_cheats_in_the_submissions_process_earn_nothing_and_never_see_a_check(tmp_path):
+def test_cheats_in_the_submissions_process_earn_nothing_and_never_see_a_check(tmp_path, monkeypatch):
     """Issue 46, item 1 (the review's C01, C02, C25, C23, C24, C03, C04): the checks ran in the
     submission's interpreter, so a cell could rewrite the worker (C01, and C25 as pickled bytes),
     write a forged report to its pipe (C02), read the instructor's check source from a frame
     (C23), rebind the checks' `error` (C24), or call the forbidden library from C code that the
     setup's `error` or a thread ran (C03, C04). With nothing implemented the first three got full
-    marks, private checks included. The judge runs the checks in a process of its own now."""
+    marks, private checks included. The judge runs the checks in a process of its own now. The
+    rules refuse most of these spellings since (C27, C28: test_grade_rules.py); each is let past
+    them here, as a spelling the rules do not know would be, so that the judge is what is tested."""
     from pagedlab_course.grade.batch import hidden_sources
+
+    cheats.let_past_the_rules(monkeypatch)
+    past = "# PAST_THE_RULES\n"
 
     instructor = tmp_path / "instructor"
     instructor.mkdir()
@@ -265,18 +273,18 @@ def test_cheats_in_the_submissions_process_earn_nothing_and_never_see_a_check(tm
         a21 = a21.replace(old, new)
     leaked = lambda r: SECRET in r.text() or SECRET in json.dumps(r.as_dict())  # noqa: E731
     cases = {  # label: (notebook, what its report must satisfy)
-        "C01 rewrites the worker": (cheats.cheat(solution["A7"], {"A7.1": cheats.forges_the_runner(solution["A7"])}),
+        "C01 rewrites the worker": (cheats.cheat(solution["A7"], {"A7.1": past + cheats.forges_the_runner(solution["A7"])}),
                                     earned_nothing),
         "C02 writes a forged report": (cheats.cheat(solution["A7"], {
-            "A7.1": cheats.writes_a_forged_report(solution["A7"], public)}), earned_nothing),
-        "C25 pickled": (cheats.cheat(solution["A5"], {"A5.1": cheats.pickled(solution["A5"])}), earned_nothing),
-        "C23 reads the checks": (solved_but("A7", "A7.1", a71 + cheats.READS_THE_CHECKS),
+            "A7.1": past + cheats.writes_a_forged_report(solution["A7"], public)}), earned_nothing),
+        "C25 pickled": (cheats.cheat(solution["A5"], {"A5.1": past + cheats.pickled(solution["A5"])}), earned_nothing),
+        "C23 reads the checks": (solved_but("A7", "A7.1", past + a71 + cheats.READS_THE_CHECKS),
                                  lambda r: r.passed and not leaked(r)),
-        "C24 renames the errors": (solved_but("A2", "A2.1", a21 + cheats.RENAMES_ERRORS),
+        "C24 renames the errors": (solved_but("A2", "A2.1", past + a21 + cheats.RENAMES_ERRORS),
                                    lambda r: r.task("A2.1").passed < r.task("A2.1").checks and not r.task("A2.1").ok),
-        "C03 through the setup's error": (solved_but("A2", "A2.1", cheats.LAUNDERED_THROUGH_SETUP),
+        "C03 through the setup's error": (solved_but("A2", "A2.1", past + cheats.LAUNDERED_THROUGH_SETUP),
                                           lambda r: flagged(r, "A2.1") and r.task("A2.1").hidden_passed == 0),
-        "C04 on a thread": (solved_but("A2", "A2.1", cheats.ON_A_THREAD),
+        "C04 on a thread": (solved_but("A2", "A2.1", past + cheats.ON_A_THREAD),
                             lambda r: flagged(r, "A2.1") and r.task("A2.1").hidden_passed == 0),
     }
     paths = []
@@ -286,3 +294,24 @@ def test_cheats_in_the_submissions_process_earn_nothing_and_never_see_a_check(tm
     reports = grade_many(paths, extra_checks=[instructor])
     wrong = [f"{label}:\n{r.text()}" for (label, (_, must)), r in zip(cases.items(), reports) if not must(r) or leaked(r)]
     assert not wrong, "\n\n".join(wrong)
+
+
+@pytest.mark.slow
+def test_a_message_utf8_cannot_write_costs_no_gradebook(tmp_path):
+    """Found reviewing the channel: an error message with a lone surrogate reached the report's
+    text, and printing it raised UnicodeEncodeError after the batch was graded: no CSV, no JSON,
+    for anyone. The grader keeps it as an escape (``\\ud800``), which every output can write."""
+    batch = tmp_path / "batch"
+    batch.mkdir()
+    a1 = next(SOLUTIONS.glob("A1_*.ipynb"))
+    shutil.copy(a1, batch / "A1_honest.ipynb")
+    nbformat.write(cheats.cheat(nbformat.read(a1, as_version=4), {"A1.1": cheats.LONE_SURROGATE}),
+                   batch / "A1_surrogate.ipynb")
+    gradebook, report = tmp_path / "grades.csv", tmp_path / "grades.json"
+    done = subprocess.run([sys.executable, "-m", "pagedlab_course.grade", str(batch), "--task", "A1.1",
+                           "--csv", str(gradebook), "--json", str(report)], capture_output=True, timeout=900)
+    assert done.returncode == 1 and b"Traceback" not in done.stderr, done.stderr.decode(errors="replace")[-2000:]
+    rows = {row["notebook"]: row for row in csv.DictReader(gradebook.open())}
+    assert rows["A1_honest.ipynb"]["status"] == "passed" and rows["A1_surrogate.ipynb"]["status"] == "failed"
+    assert b"no stats \\ud800 for you" in done.stdout
+    assert "no stats \\\\ud800 for you" in report.read_text()  # the escape's backslash, escaped by JSON

@@ -50,12 +50,15 @@ def main(argv=None) -> int:
                              limits=Limits(memory_mb=args.memory_limit), allow_unsealed=args.allow_unsealed, seed=args.seed)
     except ValueError as err:  # an unknown task, or a batch without bubblewrap: nothing was graded
         parser.error(str(err))
+    # a lone surrogate from a notebook's text (the judge's results are escaped already,
+    # grade/supervise.py) must not end the command before the gradebook is written
+    sys.stdout.reconfigure(errors="backslashreplace")
     for report in reports:
         print(report.text(), end="\n\n" if len(reports) > 1 else "\n")
     if args.json:
         args.json.write_text(json.dumps([r.as_dict() for r in reports], indent=1) + "\n")
     if args.csv:
-        with args.csv.open("w", newline="") as f:
+        with args.csv.open("w", newline="", encoding="utf-8", errors="backslashreplace") as f:
             writer = csv.writer(f)
             writer.writerow(["notebook", "assignment", "status", "tasks passed", "tasks", "checks passed", "checks",
                              "hidden passed", "hidden", "sandbox", "seed", "why"])

@@ -211,7 +211,7 @@ class _Decoder:
         return self.blobs[index]
 
     def _shape(self, shape: list, itemsize: int, data: bytes) -> tuple:
-        if len(shape) > 16 or not all(type(n) is int and n >= 0 for n in shape):
+        if len(shape) > 16 or not all(type(n) is int and 0 <= n < 1 << 31 for n in shape):
             raise Garbled(f"a shape that is not one: {shape[:17]}")
         count = 1
         for n in shape:

@@ -16,7 +16,6 @@ Results go to the grader as before, a JSON line as each cell and hidden check be
 from __future__ import annotations
 
 import builtins
-import ctypes
 import json
 import os
 import re
@@ -29,6 +28,7 @@ import types
 from pagedlab_course.grade.channel import CellTimeout, Channel
 from pagedlab_course.grade.proxy import Peer
 from pagedlab_course.grade.rules import bound_names
+from pagedlab_course.grade.seal import undumpable
 from pagedlab_course.grade.worker import Capped
 
 CELL_TASK = re.compile(r"<cell \d+: ([A-Z]\d+[.\w/]*)>")  # a solution cell's filename, naming its task
@@ -204,9 +204,9 @@ def hidden_checks(assignment: str, sources: list[dict]) -> tuple[list, list[dict
 
 
 def main() -> None:
-    # Undumpable: at the process level, the submission's process (the same user) may not read this
-    # one's memory or open its pipes through /proc (a process running as root still can).
-    ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE
+    # Undumpable: at the process level, the submission's process (the same user, with no
+    # capabilities: grade/seal.py) may not read this one's memory or open its pipes through /proc.
+    undumpable()
     job = json.load(sys.stdin)
     stream = os.fdopen(os.dup(1), "w")
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # output that bypasses sys.stdout goes nowhere

@@ -22,7 +22,7 @@ import time
 import types
 import weakref
 
-from pagedlab_course.grade.copyout import VIEWS, Garbled, blobs, decode
+from pagedlab_course.grade.copyout import SCALARS, VIEWS, Garbled, blobs, decode
 
 # A container's attributes answered from its snapshot; any other is a method run by the student.
 READS = {"list": {"copy", "index", "count"}, "deque": {"copy", "index", "count", "maxlen"},
@@ -76,7 +76,9 @@ class Peer:
             if type(reply.get("self", {})) is not dict or type(others) is not dict:
                 raise Garbled("attributes that are not a mapping")
             for key, attrs in ([(h, reply["self"])] if "self" in reply else []) + list(others.items()):
-                proxy = self.proxies.get(key if type(key) is int else int(key) if str(key).isdigit() else -1)
+                if type(key) is not int and not (key.isascii() and key.isdigit()):
+                    raise Garbled(f"a handle that is not one: {key[:20]!r}")
+                proxy = self.proxies.get(int(key))
                 if proxy is not None and type(attrs) is dict:  # a getattr's refresh of the objects read lately
                     _refresh(proxy, None, {k: decode(v, values, self._remote) for k, v in _names(attrs)})
             return value
@@ -147,12 +149,14 @@ class Peer:
         cls = self.exception_class(error["type"], bases)
         exc = cls.__new__(cls)
         args = decode(error["args"], values, self._remote) if "args" in error else None
-        exc.args = tuple(args) if type(args) in (list, tuple) else (error["message"],)
+        plain = type(args) in (list, tuple) and all(type(a) in SCALARS for a in args)
+        exc.args = tuple(args) if plain else (error["message"],)  # never an object whose __str__ is asked later
         if not issubclass(cls, Exception):  # the timeout: the cell's limit, in the judge's words
             exc.args = (f"ran for more than {self.limit:g} s",)
         for name, node in _names(error.get("attrs", {}) if type(error.get("attrs")) is dict else {}):
-            if not hasattr(cls, name):  # the student's own attributes (``needed``), never a method's name
-                setattr(exc, name, decode(node, values, self._remote))
+            value = decode(node, values, self._remote)
+            if not hasattr(cls, name) and type(value) in SCALARS:  # the student's own (``needed``): plain, never a method
+                setattr(exc, name, value)
         exc.grade_where = error["where"][:300]
         return exc
 
@@ -188,12 +192,13 @@ class _Lender(pickle.Pickler):
 
 def _library_class(name: list[str]) -> type | None:
     """The judge's class of the library named (module, qualified name), if the judge has imported
-    it (nothing is imported for the submission)."""
+    it (nothing is imported for the submission) and the library defines it there: no class it
+    only imports, and no path through dunder attributes (``KVCacheManager.__class__``)."""
     module, qualname = name
     obj = sys.modules.get(module) if module.startswith("pagedlab.") else None
     for part in qualname.split("."):
-        obj = getattr(obj, part, None)
-    return obj if isinstance(obj, type) else None
+        obj = getattr(obj, part, None) if not part.startswith("__") else None
+    return obj if isinstance(obj, type) and obj.__module__ == module and obj.__qualname__ == qualname else None
 
 
 def _importable(fn) -> bool:

@@ -15,8 +15,10 @@ which Triton's ``@triton.jit`` (it re-reads the source) and the interpreter's sp
 
 from __future__ import annotations
 
+import _string
 import ast
 import builtins
+import string
 from dataclasses import dataclass
 
 IMPORTS = ("torch", "triton", "math", "collections", "dataclasses", "itertools", "heapq", "typing",
@@ -27,7 +29,17 @@ INTROSPECTION = {"sys", "gc", "inspect", "ctypes", "importlib", "builtins", "os"
 # Attributes that lead from a value to frames, code, or native code and files.
 ESCAPES = {"f_back", "f_globals", "f_locals", "f_builtins", "f_code", "gi_frame", "gi_code", "cr_frame",
            "cr_code", "ag_frame", "ag_code", "tb_frame", "tb_next", "co_code", "ctypes", "ctypeslib",
-           "cpp_extension", "load_inline", "library", "from_file", "fromfile", "tofile"}
+           "cpp_extension", "load_inline", "library", "from_file", "fromfile", "tofile", "_getframe", "exc_info",
+           "_current_frames", "settrace", "setprofile"}
+# Modules outside the list that an allowed module holds as an attribute (``dataclasses.sys``,
+# ``random._os``, ``torch.serialization.pickle``): refused after an imported name or in an import's
+# path, with or without leading underscores (the review of issue 46, C27).
+MODULES_OUTSIDE = {"sys", "os", "posix", "builtins", "importlib", "inspect", "ctypes", "ctypeslib", "gc", "subprocess",
+                   "threading", "thread", "multiprocessing", "pickle", "marshal", "shelve", "copyreg", "signal",
+                   "socket", "shutil", "io", "pathlib", "tempfile", "glob", "runpy", "pkgutil", "code", "codeop",
+                   "traceback", "types", "weakref", "atexit", "faulthandler", "tracemalloc", "resource", "mmap", "pty",
+                   "fcntl", "asyncio", "concurrent", "sysconfig", "site", "linecache", "tokenize", "dis", "pdb",
+                   "zipimport", "urllib", "http", "cpp_extension", "serialization"}
 ALLOWED_DUNDERS = {"__init__"}
 
 RULE_IMPORT = "imports only " + ", ".join(IMPORTS)
@@ -114,24 +126,34 @@ def check(source: str, *, forbid=(), protected=None) -> list[Breach]:
             if isinstance(node, ast.ImportFrom) and node.level:
                 found.append(Breach(line, "a relative import", RULE_IMPORT))
                 continue
+            if isinstance(node, ast.ImportFrom) and any(a.name == "*" for a in node.names):
+                found.append(Breach(line, f"imports * from {node.module}", RULE_NAME))  # binds names unseen
             for name in _imported(node):
                 if any(name == f or name.startswith(f + ".") for f in forbid):
                     found.append(Breach(line, f"imports {name}", RULE_FORBIDDEN))
-                elif name.split(".")[0] not in IMPORTS:
+                elif name.split(".")[0] not in IMPORTS or any(_outside(part) for part in name.split(".")[1:]):
                     found.append(Breach(line, f"imports {name}", RULE_IMPORT))
-            if isinstance(node, ast.Import):
-                modules |= {(a.asname or a.name).split(".")[0] for a in node.names}
+            modules |= {(a.asname or a.name).split(".")[0] for a in node.names}
         elif isinstance(node, ast.Name):
             if node.id in INTROSPECTION or node.id.startswith("__"):
                 found.append(Breach(line, f"`{node.id}`", RULE_INTROSPECT))
         elif isinstance(node, ast.Attribute):
-            if _dunder(node.attr) and node.attr not in ALLOWED_DUNDERS or node.attr in ESCAPES:
+            if _dunder(node.attr) and node.attr not in ALLOWED_DUNDERS or node.attr in ESCAPES or \
+                    _outside(node.attr) and getattr(_root(node), "id", None) in modules:
                 found.append(Breach(line, f"`.{node.attr}`", RULE_INTROSPECT))
+        elif isinstance(node, ast.MatchClass):  # `case object(gi_frame=f)` reads the attribute
+            for attr in node.kwd_attrs:
+                if _dunder(attr) or attr in ESCAPES:
+                    found.append(Breach(line, f"`{attr}=`", RULE_INTROSPECT))
+        elif isinstance(node, ast.keyword) and node.arg and _dunder(node.arg) and node.arg not in SPECIAL_ALLOWED:
+            found.append(Breach(line, f"`{node.arg}=`", RULE_SPECIAL))  # type(name, bases, dict(__eq__=...))
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _dunder(node.name):
             if node.name not in SPECIAL_ALLOWED:
                 found.append(Breach(line, f"defines {node.name}", RULE_SPECIAL))
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and _dunder(node.value.strip()):
             found.append(Breach(line, f"the string {node.value!r}", RULE_INTROSPECT))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and "{" in node.value:
+            found += [Breach(line, f"the format field {field!r}", RULE_INTROSPECT) for field in _format_walks(node.value)]
         elif isinstance(node, (ast.Global, ast.Nonlocal)):
             for name in set(node.names) & set(protected):
                 found.append(Breach(line, f"`global {name}`", RULE_NAME))
@@ -143,6 +165,28 @@ def check(source: str, *, forbid=(), protected=None) -> list[Breach]:
 
 def _dunder(name: str) -> bool:
     return len(name) > 4 and name.startswith("__") and name.endswith("__")
+
+
+def _outside(name: str) -> bool:
+    """Whether ``name`` is a module outside the list (``_os`` too)."""
+    return name.lstrip("_") in MODULES_OUTSIDE
+
+
+def _format_walks(text: str, depth: int = 0) -> list[str]:
+    """The fields of a format string that read a dunder or escape attribute (``'{0.__class__}'``):
+    ``str.format`` walks them on whatever it is given (the review of issue 46, C28)."""
+    found = []
+    try:
+        for _, field, spec, _ in string.Formatter().parse(text):
+            if field is not None:
+                first, rest = _string.formatter_field_name_split(field)
+                if any(is_attr and (_dunder(key) or key in ESCAPES) for is_attr, key in rest):
+                    found.append(field)
+            if spec and depth < 2:
+                found += _format_walks(spec, depth + 1)
+    except ValueError:  # not a format string
+        return found
+    return found
 
 
 def _imported(node) -> list[str]:
@@ -174,6 +218,10 @@ def _bindings(tree):
         for node in _top_level(stmt):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 yield node.name, None, node.lineno
+            elif isinstance(node, (ast.ExceptHandler, ast.MatchAs, ast.MatchStar)) and node.name:
+                yield node.name, None, node.lineno  # `except E as error`, `case error`, `case [*error]`
+            elif isinstance(node, ast.MatchMapping) and node.rest:
+                yield node.rest, None, node.lineno
             elif isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
                 yield node.id, None, node.lineno
             elif isinstance(node, (ast.Import, ast.ImportFrom)):

@@ -33,6 +33,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from pagedlab_course.grade import seal as seal_module
+
 # The two packages the worker imports, wherever they are installed: the library the students
 # use, and this course package, whose hidden checks the worker must not see.
 PACKAGES = tuple(Path(importlib.util.find_spec(name).origin).resolve().parent
@@ -152,11 +154,15 @@ class Limits:
 # Without address randomisation (personality ADDR_NO_RANDOMIZE), so that the judge and the
 # submission's process lay out the interpreter alike: an object hashed by its address hashes the
 # same in both (Python 3.11's None: A3's block keys are ``hash((None, tokens))``).
+# A submission's process at the ``process`` level is sealed there too (``grade/seal.py``): a seccomp
+# filter, and no capabilities when the grader is root, both kept across the exec.
 _LIMITED = ("import ctypes, os, resource, sys\n"
-            "for name, value in {}.items():\n"
+            "for name, value in {limits}.items():\n"
             "    resource.setrlimit(getattr(resource, name), (value, value))\n"
             "ctypes.CDLL(None).personality(0x0040000)\n"
+            "{seal}"
             "os.execv(sys.argv[1], sys.argv[1:])\n")
+_SEAL = "from pagedlab_course.grade import seal\nseal.apply()\n"
 
 
 WORKERS: set[int] = set()  # the workers running now; any other child of the grader is an orphan of one
@@ -174,16 +180,23 @@ def _adopt_orphans() -> bool:
 
 
 def start(argv: list[str], scratch: str, limits: Limits, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-          pass_fds: tuple = (), hide: list[str] = ()) -> subprocess.Popen:
+          pass_fds: tuple = (), hide: list[str] = (), sealed: bool = False) -> subprocess.Popen:
     """``argv`` started at the best level with ``limits``, in a session of its own, its stderr a
     pipe, its stdin and stdout pipes unless given, ``pass_fds`` open in it; ``hide``: see
-    ``bwrap_command`` (nothing is hidden at the ``process`` level)."""
+    ``bwrap_command`` (nothing is hidden at the ``process`` level); ``sealed`` (the submission's
+    process): at the ``process`` level, sealed by ``grade/seal.py``, and the grader made
+    undumpable (its pipes out of reach of the submission's ``/proc``)."""
+    seal = ""
     if level() == "bwrap":
         sizes = ["--size", str(limits.scratch_mb << 20)]
         cmd, env = bwrap_command(argv, sizes, hide), None
     else:
         cmd, env = argv, _env(scratch)
-    cmd = [sys.executable, "-c", _LIMITED.format(limits.rlimits()), shutil.which(cmd[0]) or cmd[0], *cmd[1:]]
+        if sealed:
+            seal_module.undumpable()
+            seal = _SEAL
+    cmd = [sys.executable, "-c", _LIMITED.format(limits=limits.rlimits(), seal=seal), shutil.which(cmd[0]) or cmd[0],
+           *cmd[1:]]
     _adopt_orphans()
     with _CHILDREN:
         proc = subprocess.Popen(cmd, stdin=stdin, stdout=stdout, stderr=subprocess.PIPE, env=env, cwd=scratch,

@@ -39,7 +39,7 @@ def supervise(job: dict, timeout: float, limits: sandbox.Limits) -> dict:
                 os.mkdir(os.path.join(scratch, name))
             procs.append(sandbox.start([sys.executable, "-m", "pagedlab_course.grade.worker", json.dumps(
                 {k: job["forbid"][k] for k in ("modules", "callables")})], os.path.join(scratch, "worker"), limits,
-                stdin=requests[0], stdout=answers[1], hide=job["forbid"]["paths"]))
+                stdin=requests[0], stdout=answers[1], hide=job["forbid"]["paths"], sealed=True))
             procs.append(sandbox.start([sys.executable, "-m", "pagedlab_course.grade.judge", str(requests[1]),
                                         str(answers[0])], os.path.join(scratch, "judge"), limits,
                                        pass_fds=(requests[1], answers[0])))
@@ -107,11 +107,24 @@ def _follow(procs: list, lines: queue.Queue, result: dict, cell_timeout: float, 
 
 
 def _parse(line: bytes) -> dict | None:
+    """The judge's line as a dict whose every string UTF-8 can write, or None."""
     try:
-        item = json.loads(line)
+        item = _writable(json.loads(line))
     except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
         return None
     return item if isinstance(item, dict) else None
+
+
+def _writable(value):
+    """``value`` with each lone surrogate in its strings as an escape (``\\ud800``): JSON carries
+    them from the student's messages and prints, and printing one ended a batch after grading."""
+    if type(value) is str:
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    if type(value) is list:
+        return [_writable(v) for v in value]
+    if type(value) is dict:
+        return {_writable(k): _writable(v) for k, v in value.items()}
+    return value
 
 
 def _ended(proc) -> str:
