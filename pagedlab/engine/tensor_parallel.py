@@ -42,6 +42,7 @@ import os
 import socket
 import sys
 import time
+import traceback
 from dataclasses import replace
 
 import torch
@@ -321,6 +322,7 @@ class TensorParallelExecutor:
         self.runner, self.world, self.timeout, self.num_steps = runner, world, timeout, 0
         self.closed = True  # until every rank has joined
         self.workers, self.store = [], None  # spawned processes; the env rendezvous's store
+        self.joined = False  # whether this engine formed the process's group (its to destroy)
         model = runner.model
         build = dict(args=args, state=state, kernels=model.kernels, dtype=model.dtype,
                      device=str(model.device), cache=cache)
@@ -342,6 +344,7 @@ class TensorParallelExecutor:
             worker.start()
         try:
             _join(str(model.device), init_method, 0, world, timeout)
+            self.joined = True
         except Exception as error:
             raise self._failure(error) from error
         self.closed = False
@@ -371,9 +374,11 @@ class TensorParallelExecutor:
         self.progress = _StoreProgress(self.store)
         try:
             _join(device, None, 0, world, self.timeout, store=self.store)
+            self.joined = True
             cpu_state = {name: t.cpu() for name, t in build["state"].items()}
             dist.broadcast_object_list([dict(build, state=cpu_state)], src=0)
         except Exception as error:
+            traceback.clear_frames(error.__traceback__)  # its frames hold the group's store
             missing = [f"rank {r} did not join" for r in range(1, world)
                        if not self.store.add(f"{_KEY}rank/{r}", 0)]
             self.closed = True
@@ -397,6 +402,7 @@ class TensorParallelExecutor:
 
     def _failure(self, error: Exception) -> WorkerFailed:
         """Which ranks failed (died, or never received the step), every process ended."""
+        traceback.clear_frames(error.__traceback__)  # its frames hold the group (and store)
         deadline = time.monotonic() + 2.0  # a rank killed a moment ago may not be reaped yet
         while (self.workers and time.monotonic() < deadline
                and all(w.exitcode is None for w in self.workers)):
@@ -423,8 +429,9 @@ class TensorParallelExecutor:
                 pass
         self.closed = True
         _end(self.workers)
-        if dist.is_initialized():
+        if self.joined and dist.is_initialized():  # never another engine's group, formed since
             dist.destroy_process_group()
+        self.joined = False
         if self.store is not None:  # the env rendezvous's port closes with its store
             self.store = self.progress = None
 
