@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -102,6 +103,22 @@ def test_three_ranks_give_one_ranks_tokens(model):
     assert three[:2] == one[:2]
     assert one[2] > 0 and llm.scheduler.spec_stats.num_draft_tokens > 0
     assert not dist.is_initialized()
+
+
+@pytest.mark.slow
+def test_an_engine_idle_longer_than_the_timeout_still_runs_the_next_request(model, monkeypatch):
+    """An idle engine (a server with no requests) sends its workers no step. They wait for the
+    next one past the all-reduces' timeout (10 s here) and still give one rank's tokens."""
+    monkeypatch.setattr(tensor_parallel, "DEFAULT_TIMEOUT", 10.0)
+    prompts = random_prompts([6, 9], 192)
+    one = [o.outputs[0].token_ids for o in
+           LLM(model, block_size=4, num_gpu_blocks=32).generate(prompts, GREEDY, use_tqdm=False)]
+    with LLM(model, block_size=4, num_gpu_blocks=32, tensor_parallel_size=3) as llm:
+        llm.generate(prompts[:1], GREEDY, use_tqdm=False)
+        time.sleep(13)
+        three = [o.outputs[0].token_ids
+                 for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert three == one
 
 
 def port_is_free(port: int) -> bool:

@@ -55,6 +55,9 @@ from pagedlab.engine.step import Chunk, Step, StepOutput
 from pagedlab.model import ModelArgs, PagedLlama
 
 DEFAULT_TIMEOUT = 120.0  # seconds a step may wait on a rank before the engine gives up
+# How long a worker waits for rank 0's next step: an idle engine (a server with no requests)
+# sends none, and a worker that gave up after DEFAULT_TIMEOUT would fail the next request.
+IDLE_TIMEOUT = datetime.timedelta(days=7)
 
 
 class WorkerFailed(RuntimeError):
@@ -152,17 +155,18 @@ def worker_loop(rank: int, world: int, init_method: str, timeout: float, build: 
     """A spawned worker rank's life: join the group, then :func:`_run_steps`.
     ``progress[rank]`` counts the steps received, so rank 0 can tell which rank a stalled step
     waits for."""
-    _join(build["device"], init_method, rank, world, timeout)
+    steps = _join(build["device"], init_method, rank, world, timeout)
 
     def took_step() -> None:
         progress[rank] += 1
 
-    _run_steps(rank, world, build, took_step)
+    _run_steps(rank, world, build, steps, took_step)
 
 
-def _run_steps(rank: int, world: int, build: dict, took_step) -> None:
-    """Build this rank's shard and cache, then run every step rank 0 sends until it sends
-    None; ``took_step()`` after each step is received. Leaves the group at the end."""
+def _run_steps(rank: int, world: int, build: dict, steps, took_step) -> None:
+    """Build this rank's shard and cache, then run every step rank 0 sends (on the group
+    ``steps``) until it sends None; ``took_step()`` after each step is received. Leaves the
+    group at the end."""
     from pagedlab.engine.runner import ModelRunner
 
     try:
@@ -172,7 +176,7 @@ def _run_steps(rank: int, world: int, build: dict, took_step) -> None:
         runner.samples = False
         while True:
             box = [None]
-            dist.broadcast_object_list(box, src=0)
+            dist.broadcast_object_list(box, src=0, group=steps)
             if box[0] is None:
                 break
             took_step()
@@ -182,12 +186,17 @@ def _run_steps(rank: int, world: int, build: dict, took_step) -> None:
 
 
 def _join(device: str, init_method: str | None, rank: int, world: int, timeout: float,
-          store=None) -> None:
+          store=None):
     """Join the group of ``world`` ranks as ``rank`` (at ``init_method``, or through
-    ``store``): NCCL on CUDA, gloo on a CPU."""
+    ``store``): NCCL on CUDA, gloo on a CPU. The all-reduces wait on a rank for ``timeout``
+    seconds. Returns a second group, gloo's, that carries the steps. Its timeout is each
+    process's own: rank 0 waits ``timeout`` to hand a step over, so a stalled rank is still
+    found; a worker waits up to IDLE_TIMEOUT for the next step."""
     dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
                             init_method=init_method, store=store, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout))
+    wait = datetime.timedelta(seconds=timeout) if rank == 0 else IDLE_TIMEOUT
+    return dist.new_group(backend="gloo", timeout=wait)
 
 
 def _end(procs) -> None:
@@ -289,10 +298,10 @@ def main(argv=None, environ=None) -> int:
         torch.cuda.set_device(device)
     progress = _StoreProgress(store)
     try:
-        _join(device, None, rank, world, timeout, store=store)
+        steps = _join(device, None, rank, world, timeout, store=store)
         box = [None]
-        dist.broadcast_object_list(box, src=0)
-        _run_steps(rank, world, dict(box[0], device=device),
+        dist.broadcast_object_list(box, src=0, group=steps)
+        _run_steps(rank, world, dict(box[0], device=device), steps,
                    lambda: progress.took_step(rank))
     except Exception as error:  # noqa: BLE001  (the engine failed or went away: say so, end)
         print(f"pagedlab worker rank {rank}: the group at {addr}:{port} ended: {error}",
@@ -323,6 +332,7 @@ class TensorParallelExecutor:
         self.closed = True  # until every rank has joined
         self.workers, self.store = [], None  # spawned processes; the env rendezvous's store
         self.joined = False  # whether this engine formed the process's group (its to destroy)
+        self.steps = None  # the group the steps go out on (see _join)
         model = runner.model
         build = dict(args=args, state=state, kernels=model.kernels, dtype=model.dtype,
                      device=str(model.device), cache=cache)
@@ -343,7 +353,7 @@ class TensorParallelExecutor:
         for worker in self.workers:
             worker.start()
         try:
-            _join(str(model.device), init_method, 0, world, timeout)
+            self.steps = _join(str(model.device), init_method, 0, world, timeout)
             self.joined = True
         except Exception as error:
             raise self._failure(error) from error
@@ -373,10 +383,10 @@ class TensorParallelExecutor:
         self.store.set(_KEY + "timeout", str(self.timeout))
         self.progress = _StoreProgress(self.store)
         try:
-            _join(device, None, 0, world, self.timeout, store=self.store)
+            self.steps = _join(device, None, 0, world, self.timeout, store=self.store)
             self.joined = True
             cpu_state = {name: t.cpu() for name, t in build["state"].items()}
-            dist.broadcast_object_list([dict(build, state=cpu_state)], src=0)
+            dist.broadcast_object_list([dict(build, state=cpu_state)], src=0, group=self.steps)
         except Exception as error:
             traceback.clear_frames(error.__traceback__)  # its frames hold the group's store
             missing = [f"rank {r} did not join" for r in range(1, world)
@@ -395,7 +405,7 @@ class TensorParallelExecutor:
             return StepOutput([])
         self.num_steps += 1
         try:
-            dist.broadcast_object_list([portable(step)], src=0)
+            dist.broadcast_object_list([portable(step)], src=0, group=self.steps)
             return self.runner.execute(step)
         except Exception as error:
             raise self._failure(error) from error
@@ -424,14 +434,14 @@ class TensorParallelExecutor:
         port left behind."""
         if not self.closed and all(w.is_alive() for w in self.workers):
             try:
-                dist.broadcast_object_list([None], src=0)
+                dist.broadcast_object_list([None], src=0, group=self.steps)
             except Exception:  # noqa: BLE001  (a rank is gone: it is killed below)
                 pass
         self.closed = True
         _end(self.workers)
         if self.joined and dist.is_initialized():  # never another engine's group, formed since
             dist.destroy_process_group()
-        self.joined = False
+        self.joined, self.steps = False, None
         if self.store is not None:  # the env rendezvous's port closes with its store
             self.store = self.progress = None
 
