@@ -233,6 +233,8 @@ def test_workers_started_apart_give_one_ranks_tokens_and_leave_when_it_ends(mode
         three = [o.outputs[0].token_ids
                  for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
         assert llm.runner.kv_caches[0][0].shape[2] == 1  # rank 0 holds one KV head of 3
+        executor = llm.executor  # each worker counted every step (what names a stalled one)
+        assert executor.progress[1] == executor.progress[2] == executor.num_steps > 0
     assert three == one
     assert [ended(w)[0] for w in workers] == [0, 0]
     assert not dist.is_initialized() and nothing_listens_on(apart.port)
@@ -241,7 +243,8 @@ def test_workers_started_apart_give_one_ranks_tokens_and_leave_when_it_ends(mode
 @pytest.mark.slow
 def test_a_worker_started_apart_that_dies_is_named_and_the_others_end(model, apart):
     """SIGKILL rank 2 between steps: the next step fails naming it, within the engine's
-    timeout; rank 1, on its own machine as far as the engine knows, ends by itself, and
+    timeout (no exit code to read: the rank is on another machine as far as the engine
+    knows, so it is named as one that did not take the step); rank 1, on its own machine as far as the engine knows, ends by itself, and
     nothing listens on MASTER_PORT even while the error is held."""
     workers = [apart(rank) for rank in (1, 2)]
     llm = LLM(model, block_size=4, num_gpu_blocks=32, tensor_parallel_size=3,
@@ -250,9 +253,8 @@ def test_a_worker_started_apart_that_dies_is_named_and_the_others_end(model, apa
         llm.add_request(str(i), prompt, GREEDY)
     llm.step()
     workers[1].kill()
-    with pytest.raises(WorkerFailed, match="rank 2 did not take step 2") as failed:
-        llm.step()
-    assert "rank 1" not in str(failed.value)  # it took the step: only the dead rank is named
+    with pytest.raises(WorkerFailed, match="rank 2 did not take step 2"):
+        llm.step()  # (rank 1 may be named too: rank 0 cannot tell whether it got the step)
     code, err = ended(workers[0])
     assert code == 1 and "pagedlab worker rank 1: the group at 127.0.0.1" in err
     assert not dist.is_initialized() and nothing_listens_on(apart.port)  # error still held

@@ -413,9 +413,10 @@ class TensorParallelExecutor:
     def _failure(self, error: Exception) -> WorkerFailed:
         """Which ranks failed (died, or never received the step), every process ended."""
         traceback.clear_frames(error.__traceback__)  # its frames hold the group (and store)
-        deadline = time.monotonic() + 2.0  # a rank killed a moment ago may not be reaped yet
-        while (self.workers and time.monotonic() < deadline
-               and all(w.exitcode is None for w in self.workers)):
+        deadline = time.monotonic() + 2.0  # a rank killed a moment ago may not be reaped yet,
+        while time.monotonic() < deadline and (  # nor one started apart have counted the step
+                all(w.exitcode is None for w in self.workers) if self.workers
+                else any(self.progress[r] < self.num_steps for r in range(1, self.world))):
             time.sleep(0.05)
         dead = [f"rank {rank} died (exit code {w.exitcode})"
                 for rank, w in enumerate(self.workers, 1) if w.exitcode is not None]
