@@ -535,6 +535,11 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--enable-prefix-caching", action="store_true")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="processes the model is split over by its heads (vLLM's name)")
+    parser.add_argument("--distributed-init-method", default=None, choices=["env://"],
+                        help="'env://': the workers are started apart (python -m "
+                             "pagedlab.engine.tensor_parallel, on this machine or others) and "
+                             "meet this server, rank 0, through MASTER_ADDR, MASTER_PORT, "
+                             "WORLD_SIZE and RANK (default: the server starts them itself)")
     parser.add_argument("--speculative-config", type=json.loads, default=None,
                         help='JSON, as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     parser.add_argument("--api-key", default=os.environ.get("PAGEDLAB_API_KEY"),
@@ -561,7 +566,8 @@ def engine(args: argparse.Namespace) -> LLM:
                max_num_batched_tokens=args.max_num_batched_tokens,
                max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
                speculative_config=args.speculative_config,
-               tensor_parallel_size=args.tensor_parallel_size)
+               tensor_parallel_size=args.tensor_parallel_size,
+               distributed_init_method=args.distributed_init_method)
 
 
 def main(argv=None) -> None:

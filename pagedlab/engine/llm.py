@@ -90,7 +90,9 @@ class LLM:
     turns on speculative decoding (:mod:`pagedlab.engine.speculative`);
     ``tensor_parallel_size`` splits the model by its heads over that many processes, this one
     rank 0 (:mod:`pagedlab.engine.tensor_parallel`; end them with :meth:`shutdown` or a
-    ``with`` block).
+    ``with`` block); it starts them itself, unless ``distributed_init_method="env://"``: then
+    they are started apart, on this machine or others, and meet it through torch.distributed's
+    environment variables (``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``, ``RANK``).
     """
 
     def __init__(
@@ -119,6 +121,7 @@ class LLM:
         speculative_config: dict | None = None,
         cuda_graphs: bool = False,
         tensor_parallel_size: int = 1,
+        distributed_init_method: str | None = None,
     ):
         cache = CacheConfig(block_size, num_gpu_blocks, gpu_memory_utilization,
                             kv_cache_memory_bytes, swap_space, num_cpu_blocks,
@@ -126,6 +129,9 @@ class LLM:
         decode_batch_sizes = _decode_batch_sizes(decode_batch_sizes, cuda_graphs, max_num_seqs)
         self.model, self.tokenizer = _load(model, tokenizer, kernels)
         check_positive("tensor_parallel_size", tensor_parallel_size, integer=True)
+        if distributed_init_method is not None and tensor_parallel_size == 1:
+            raise ValueError(f"distributed_init_method={distributed_init_method!r} needs "
+                             "tensor_parallel_size > 1: one process meets no one")
         whole = self.model
         if tensor_parallel_size > 1:  # rank 0's shard: the cache is sized for one rank's heads
             state = {name: t.detach() for name, t in whole.state_dict().items()}
@@ -161,8 +167,9 @@ class LLM:
                                   max_blocks=min(cache.num_gpu_blocks, longest or math.inf))
         self.executor = self.runner  # what runs a step: this process, or every rank's
         if tensor_parallel_size > 1:
-            self.executor = TensorParallelExecutor(self.runner, whole.args, state,
-                                                   tensor_parallel_size, layout)
+            self.executor = TensorParallelExecutor(
+                self.runner, whole.args, state, tensor_parallel_size, layout,
+                distributed_init_method=distributed_init_method)
             weakref.finalize(self, self.executor.shutdown)
         self.stats: EngineStats | None = None  # of the last call
         self.last_step: Step | None = None  # the last step's batch: what a timed replay reads

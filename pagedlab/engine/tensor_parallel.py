@@ -17,16 +17,32 @@ models at the price of an all-gather of the logits each step.)
 Every rank's cache has the same blocks, ids and slots: one scheduler, on rank 0, decides a
 step; :class:`TensorParallelExecutor` sends it to the workers (as vLLM's executor broadcasts
 its scheduler output), each rank runs its shard over its own cache, and rank 0 samples.
-Processes meet through torch.distributed: gloo on CPUs, NCCL on GPUs, a TCP rendezvous on
-the loopback address here (across machines, set ``MASTER_ADDR``/``MASTER_PORT`` and start
-one process per rank: :func:`worker_loop` is what each runs).
+Processes meet through torch.distributed: gloo on CPUs, NCCL on GPUs. By default the engine
+starts its workers itself, on this machine, with a TCP rendezvous on the loopback address.
+
+Across machines, start each process yourself with torch.distributed's environment variables.
+Every process gets the same ``MASTER_ADDR`` (the engine's machine), ``MASTER_PORT`` and
+``WORLD_SIZE`` (the tensor-parallel size), and its own ``RANK``. Rank 0 is the engine:
+``LLM(model, tensor_parallel_size=N, distributed_init_method="env://")``, or
+``python -m pagedlab.serve --tensor-parallel-size N --distributed-init-method env://``.
+Ranks 1 to N - 1 are workers: ``python -m pagedlab.engine.tensor_parallel`` (:func:`main`).
+A worker needs no model: rank 0 sends it the weights and the cache's layout once the group is
+formed. The engine waits up to its timeout for every rank to join; a missing, malformed or
+inconsistent variable is refused with an error naming it. The engine listens on
+``MASTER_PORT`` on every network the machine is on, with no authentication: use a private
+network. If gloo picks the wrong network interface, set ``GLOO_SOCKET_IFNAME`` (NCCL:
+``NCCL_SOCKET_IFNAME``).
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
+import os
 import socket
+import sys
 import time
+import traceback
 from dataclasses import replace
 
 import torch
@@ -39,6 +55,9 @@ from pagedlab.engine.step import Chunk, Step, StepOutput
 from pagedlab.model import ModelArgs, PagedLlama
 
 DEFAULT_TIMEOUT = 120.0  # seconds a step may wait on a rank before the engine gives up
+# How long a worker waits for rank 0's next step: an idle engine (a server with no requests)
+# sends none, and a worker that gave up after DEFAULT_TIMEOUT would fail the next request.
+IDLE_TIMEOUT = datetime.timedelta(days=7)
 
 
 class WorkerFailed(RuntimeError):
@@ -133,33 +152,51 @@ def portable(step: Step) -> Step:
 
 def worker_loop(rank: int, world: int, init_method: str, timeout: float, build: dict,
                 progress) -> None:
-    """A worker rank's life: join the group, build its shard and cache, then run every step
-    rank 0 sends until it sends None. ``progress[rank]`` counts the steps received, so rank 0
-    can tell which rank a stalled step waits for."""
-    _join(build["device"], init_method, rank, world, timeout)
+    """A spawned worker rank's life: join the group, then :func:`_run_steps`.
+    ``progress[rank]`` counts the steps received, so rank 0 can tell which rank a stalled step
+    waits for."""
+    steps = _join(build["device"], init_method, rank, world, timeout)
+
+    def took_step() -> None:
+        progress[rank] += 1
+
+    _run_steps(rank, world, build, steps, took_step)
+
+
+def _run_steps(rank: int, world: int, build: dict, steps, took_step) -> None:
+    """Build this rank's shard and cache, then run every step rank 0 sends (on the group
+    ``steps``) until it sends None; ``took_step()`` after each step is received. Leaves the
+    group at the end."""
     from pagedlab.engine.runner import ModelRunner
 
-    model = build_shard(build["args"], build["state"], rank, world, build["kernels"],
-                        build["dtype"], build["device"])
-    runner = ModelRunner(model, *build["cache"])
-    runner.samples = False
     try:
+        model = build_shard(build["args"], build["state"], rank, world, build["kernels"],
+                            build["dtype"], build["device"])
+        runner = ModelRunner(model, *build["cache"])
+        runner.samples = False
         while True:
             box = [None]
-            dist.broadcast_object_list(box, src=0)
+            dist.broadcast_object_list(box, src=0, group=steps)
             if box[0] is None:
                 break
-            progress[rank] += 1
+            took_step()
             runner.execute(box[0])
     finally:
         dist.destroy_process_group()
 
 
-def _join(device: str, init_method: str, rank: int, world: int, timeout: float) -> None:
-    """Join the group of ``world`` ranks as ``rank``: NCCL on CUDA, gloo on a CPU."""
+def _join(device: str, init_method: str | None, rank: int, world: int, timeout: float,
+          store=None):
+    """Join the group of ``world`` ranks as ``rank`` (at ``init_method``, or through
+    ``store``): NCCL on CUDA, gloo on a CPU. The all-reduces wait on a rank for ``timeout``
+    seconds. Returns a second group, gloo's, that carries the steps. Its timeout is each
+    process's own: rank 0 waits ``timeout`` to hand a step over, so a stalled rank is still
+    found; a worker waits up to IDLE_TIMEOUT for the next step."""
     dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
-                            init_method=init_method, rank=rank, world_size=world,
+                            init_method=init_method, store=store, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout))
+    wait = datetime.timedelta(seconds=timeout) if rank == 0 else IDLE_TIMEOUT
+    return dist.new_group(backend="gloo", timeout=wait)
 
 
 def _end(procs) -> None:
@@ -177,6 +214,102 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+ENV_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
+_KEY = "pagedlab/"  # the keys the engine and its workers share in the rendezvous's store
+
+
+def env_rendezvous(environ=None) -> tuple[str, int, int, int]:
+    """torch.distributed's environment rendezvous, read and checked before anything listens
+    or connects: ``(MASTER_ADDR, MASTER_PORT, WORLD_SIZE, RANK)``."""
+    environ = os.environ if environ is None else environ
+    missing = [name for name in ENV_VARS if not environ.get(name, "").strip()]
+    if missing:
+        raise ValueError(f"set {', '.join(missing)}: the environment rendezvous needs "
+                         f"{', '.join(ENV_VARS)} in every process")
+
+    def integer(name: str, low: int, high: int | None, why: str) -> int:
+        text = environ[name].strip()
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError(f"{name}={text!r} is not an integer") from None
+        if value < low or high is not None and value > high:
+            raise ValueError(f"{name}={value}: {why}")
+        return value
+
+    port = integer("MASTER_PORT", 1, 65535, "a port is 1 to 65535")
+    world = integer("WORLD_SIZE", 2, None, "tensor parallelism needs at least 2 ranks")
+    rank = integer("RANK", 0, world - 1, f"ranks are 0 to WORLD_SIZE - 1 = {world - 1}")
+    return environ["MASTER_ADDR"].strip(), port, world, rank
+
+
+class _StoreProgress:
+    """Steps each worker has received, counted in the rendezvous's store (the spawned
+    workers' shared array, for workers on other machines)."""
+
+    def __init__(self, store):
+        self.store = store
+
+    def __getitem__(self, rank: int) -> int:
+        return self.store.add(f"{_KEY}progress/{rank}", 0)
+
+    def took_step(self, rank: int) -> None:
+        self.store.add(f"{_KEY}progress/{rank}", 1)
+
+
+def main(argv=None, environ=None) -> int:
+    """A worker rank started apart from the engine, on this machine or another: read the
+    environment rendezvous, join rank 0's group, receive the model, run steps until rank 0
+    ends. Exit status 0 when rank 0 shut the engine down, 1 with a message otherwise."""
+    argparse.ArgumentParser(
+        prog="python -m pagedlab.engine.tensor_parallel",
+        description="A tensor-parallel worker of a pagedlab engine that runs elsewhere. Set "
+                    "MASTER_ADDR and MASTER_PORT (where the engine, rank 0, listens), "
+                    "WORLD_SIZE (the tensor-parallel size) and RANK (1 to WORLD_SIZE - 1). "
+                    "On CUDA, LOCAL_RANK picks this machine's GPU (default 0).").parse_args(argv)
+    environ = os.environ if environ is None else environ
+    try:
+        addr, port, world, rank = env_rendezvous(environ)
+        if rank == 0:
+            raise ValueError("RANK=0 is the engine's (the process that builds LLM with "
+                             "distributed_init_method='env://'); a worker is 1 to "
+                             f"WORLD_SIZE - 1 = {world - 1}")
+        try:
+            store = dist.TCPStore(addr, port, None, is_master=False,
+                                  timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT))
+            engines_world = int(store.get(_KEY + "world"))
+            device = store.get(_KEY + "device").decode()
+            timeout = float(store.get(_KEY + "timeout"))  # the engine's, for every wait
+        except Exception as error:  # noqa: BLE001  (the store says only that it timed out)
+            raise ValueError(f"no pagedlab engine answered at MASTER_ADDR={addr} "
+                             f"MASTER_PORT={port} within {DEFAULT_TIMEOUT:g} s "
+                             f"({error})") from None
+        if engines_world != world:
+            raise ValueError(f"WORLD_SIZE={world} but the engine at {addr}:{port} runs "
+                             f"tensor_parallel_size={engines_world}")
+        if store.add(f"{_KEY}rank/{rank}", 1) > 1:
+            raise ValueError(f"RANK={rank} has already joined the engine at {addr}:{port}: "
+                             "give each worker its own rank")
+    except ValueError as error:
+        print(f"pagedlab worker: {error}", file=sys.stderr)
+        return 1
+    if device == "cuda":
+        device = f"cuda:{int(environ.get('LOCAL_RANK', 0))}"
+        torch.cuda.set_device(device)
+    progress = _StoreProgress(store)
+    try:
+        steps = _join(device, None, rank, world, timeout, store=store)
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=steps)
+        _run_steps(rank, world, dict(box[0], device=device), steps,
+                   lambda: progress.took_step(rank))
+    except Exception as error:  # noqa: BLE001  (the engine failed or went away: say so, end)
+        print(f"pagedlab worker rank {rank}: the group at {addr}:{port} ended: {error}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
 class TensorParallelExecutor:
     """Rank 0's side: starts the workers, sends each step, runs rank 0's shard (``runner``,
     over a model from :func:`build_shard`) and samples. Any failure of a rank fails the step
@@ -189,20 +322,30 @@ class TensorParallelExecutor:
     """
 
     def __init__(self, runner, args: ModelArgs, state: dict[str, Tensor], world: int,
-                 cache: tuple, timeout: float | None = None):
+                 cache: tuple, timeout: float | None = None,
+                 distributed_init_method: str | None = None):
         if dist.is_initialized():
             raise RuntimeError("a tensor-parallel engine is already running in this process: "
                                "shut it down first (LLM.shutdown())")
         timeout = timeout or DEFAULT_TIMEOUT
         self.runner, self.world, self.timeout, self.num_steps = runner, world, timeout, 0
         self.closed = True  # until every rank has joined
+        self.workers, self.store = [], None  # spawned processes; the env rendezvous's store
+        self.joined = False  # whether this engine formed the process's group (its to destroy)
+        self.steps = None  # the group the steps go out on (see _join)
         model = runner.model
+        build = dict(args=args, state=state, kernels=model.kernels, dtype=model.dtype,
+                     device=str(model.device), cache=cache)
+        if distributed_init_method == "env://":
+            self._join_env(build)
+            return
+        if distributed_init_method is not None:
+            raise ValueError(f"distributed_init_method={distributed_init_method!r}: None (the "
+                             "engine starts its workers) or 'env://' (they are started apart)")
         self.port = _free_port()
         init_method = f"tcp://127.0.0.1:{self.port}"
         ctx = mp.get_context("spawn")
         self.progress = ctx.Array("q", world, lock=False)
-        build = dict(args=args, state=state, kernels=model.kernels, dtype=model.dtype,
-                     device=str(model.device), cache=cache)
         self.workers = [ctx.Process(target=worker_loop, daemon=True, name=f"pagedlab-tp{rank}",
                                     args=(rank, world, init_method, timeout, build,
                                           self.progress))
@@ -210,9 +353,49 @@ class TensorParallelExecutor:
         for worker in self.workers:
             worker.start()
         try:
-            _join(str(model.device), init_method, 0, world, timeout)
+            self.steps = _join(str(model.device), init_method, 0, world, timeout)
+            self.joined = True
         except Exception as error:
             raise self._failure(error) from error
+        self.closed = False
+
+    def _join_env(self, build: dict) -> None:
+        """Rank 0 of a group whose workers were started apart (:func:`main`): listen on
+        ``MASTER_PORT``, say there what the workers must agree with, wait for every rank to
+        join, and send them the model."""
+        addr, port, world, rank = env_rendezvous()
+        if rank != 0:
+            raise ValueError(f"RANK={rank}: the engine is rank 0; start ranks 1 to "
+                             f"{world - 1} with python -m pagedlab.engine.tensor_parallel")
+        if world != self.world:
+            raise ValueError(f"WORLD_SIZE={world} but tensor_parallel_size={self.world}: "
+                             "they must be equal")
+        self.port = port
+        try:
+            self.store = dist.TCPStore(addr, port, world, is_master=True,
+                                       timeout=datetime.timedelta(seconds=self.timeout),
+                                       wait_for_workers=False)
+        except Exception as error:
+            raise RuntimeError(f"cannot listen on MASTER_PORT={port}: {error}") from error
+        device = torch.device(build["device"]).type
+        self.store.set(_KEY + "world", str(world))
+        self.store.set(_KEY + "device", device)
+        self.store.set(_KEY + "timeout", str(self.timeout))
+        self.progress = _StoreProgress(self.store)
+        try:
+            self.steps = _join(device, None, 0, world, self.timeout, store=self.store)
+            self.joined = True
+            cpu_state = {name: t.cpu() for name, t in build["state"].items()}
+            dist.broadcast_object_list([dict(build, state=cpu_state)], src=0, group=self.steps)
+        except Exception as error:
+            traceback.clear_frames(error.__traceback__)  # its frames hold the group's store
+            missing = [f"rank {r} did not join" for r in range(1, world)
+                       if not self.store.add(f"{_KEY}rank/{r}", 0)]
+            self.closed = True
+            self.shutdown()
+            what = "; ".join(missing) or f"the group failed: {error}"
+            raise WorkerFailed(f"tensor parallelism of {world} at {addr}:{port}: {what} "
+                               f"(within {self.timeout:g} s); the engine is shut down") from error
         self.closed = False
 
     def execute(self, step: Step) -> StepOutput:
@@ -222,21 +405,25 @@ class TensorParallelExecutor:
             return StepOutput([])
         self.num_steps += 1
         try:
-            dist.broadcast_object_list([portable(step)], src=0)
+            dist.broadcast_object_list([portable(step)], src=0, group=self.steps)
             return self.runner.execute(step)
         except Exception as error:
             raise self._failure(error) from error
 
     def _failure(self, error: Exception) -> WorkerFailed:
         """Which ranks failed (died, or never received the step), every process ended."""
-        deadline = time.monotonic() + 2.0  # a rank killed a moment ago may not be reaped yet
-        while time.monotonic() < deadline and all(w.exitcode is None for w in self.workers):
+        traceback.clear_frames(error.__traceback__)  # its frames hold the group (and store)
+        deadline = time.monotonic() + 2.0  # a rank killed a moment ago may not be reaped yet,
+        while time.monotonic() < deadline and (  # nor one started apart have counted the step
+                all(w.exitcode is None for w in self.workers) if self.workers
+                else any(self.progress[r] < self.num_steps for r in range(1, self.world))):
             time.sleep(0.05)
         dead = [f"rank {rank} died (exit code {w.exitcode})"
                 for rank, w in enumerate(self.workers, 1) if w.exitcode is not None]
+        alive = [rank for rank in range(1, self.world)  # of the workers started apart: all
+                 if rank > len(self.workers) or self.workers[rank - 1].exitcode is None]
         stalled = [f"rank {rank} did not take step {self.num_steps}"
-                   for rank, w in enumerate(self.workers, 1)
-                   if w.exitcode is None and self.progress[rank] < self.num_steps]
+                   for rank in alive if self.progress[rank] < self.num_steps]
         self.closed = True  # no goodbye: a rank that failed would not hear it
         self.shutdown()
         what = "; ".join(dead + stalled) or f"a collective failed: {error}"
@@ -248,13 +435,16 @@ class TensorParallelExecutor:
         port left behind."""
         if not self.closed and all(w.is_alive() for w in self.workers):
             try:
-                dist.broadcast_object_list([None], src=0)
+                dist.broadcast_object_list([None], src=0, group=self.steps)
             except Exception:  # noqa: BLE001  (a rank is gone: it is killed below)
                 pass
         self.closed = True
         _end(self.workers)
-        if dist.is_initialized():
+        if self.joined and dist.is_initialized():  # never another engine's group, formed since
             dist.destroy_process_group()
+        self.joined, self.steps = False, None
+        if self.store is not None:  # the env rendezvous's port closes with its store
+            self.store = self.progress = None
 
 
 def _allreduce_loop(rank: int, world: int, init_method: str, sizes: list[int], repeats: int,
@@ -299,5 +489,10 @@ def measure_allreduce(world: int, sizes, repeats: int = 20,
         _end(procs)
 
 
-__all__ = ["RowParallelLinear", "TensorParallelExecutor", "WorkerFailed", "build_shard",
-           "measure_allreduce", "shard_args", "shard_state_dict", "worker_loop"]
+__all__ = ["ENV_VARS", "RowParallelLinear", "TensorParallelExecutor", "WorkerFailed",
+           "build_shard", "env_rendezvous", "main", "measure_allreduce", "shard_args",
+           "shard_state_dict", "worker_loop"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
