@@ -577,3 +577,12 @@ def test_every_sharer_of_a_partly_filled_block_but_the_last_copies_it():
     assert mgr.allocate_slots({"a": [5], "b": [6]}) == {"a": 5, "b": 5}
     assert mgr.num_free_blocks == 0 and len(mgr.take_copies()) == 1
     mgr.check_invariants()
+
+
+def test_a_shared_prompt_of_one_sequence_is_allocated_as_that_sequence_alone():
+    """A group of one (a request with n=1) sharing its prompt with nobody: allocate_shared
+    gives what allocate gives, its tokens in blocks_for(10) = 3 blocks, computing from 0."""
+    mgr = KVCacheManager(8, 4)
+    assert mgr.allocate_shared(["a"], [list(range(10))], shared=8) == [0]
+    assert mgr.token_ids("a") == list(range(10)) and mgr.num_used_blocks == 3
+    mgr.check_invariants()
