@@ -544,3 +544,45 @@ def test_a_truncation_it_cannot_do_is_named(keep, message):
     with pytest.raises(ValueError, match=message):
         mgr.truncate("a", keep)
     assert mgr.num_tokens("a") == 10
+
+
+def test_a_truncation_without_a_prefix_cache_has_no_cached_tokens_to_keep():
+    """Without prefix caching no block is cached, so the bound a refused truncation names
+    starts at 0 tokens, not at some count of verified ones."""
+    mgr = KVCacheManager(4, 4)
+    mgr.allocate("a", list(range(6)))
+    with pytest.raises(ValueError, match=r"^sequence 'a': cannot keep 7 of its 6 tokens; need 0 "
+                                         r"<= num_tokens <= 6 \(its first 0 are in cached "
+                                         r"blocks\)$"):
+        mgr.truncate("a", 7)
+    assert mgr.num_tokens("a") == 6
+
+
+def test_every_sharer_of_a_partly_filled_block_but_the_last_copies_it():
+    """Copy-on-write counted by hand: three sequences share a last block holding 1 token.
+    When all three decode, the first two to append copy it and the third finds it its own:
+    2 blocks. When two of them decode, the third still holds the block, so both copy: 2 again.
+    A pool with 1 free block refuses such a step (nothing changes) rather than run out halfway."""
+    mgr = KVCacheManager(3, 4)
+    mgr.allocate("a", list(range(5)))  # 2 blocks, the last holding 1 token; 1 block free
+    mgr.fork("a", "b")
+    mgr.fork("a", "c")
+    assert mgr.blocks_needed({"a": 1, "b": 1, "c": 1}) == 2
+    assert mgr.blocks_needed({"a": 1, "b": 1}) == 2
+    assert mgr.allocate_slots({"a": [5], "b": [6], "c": [7]}) is None
+    assert [mgr.num_tokens(s) for s in "abc"] == [5, 5, 5] and mgr.num_free_blocks == 1
+    assert mgr.take_copies() == []
+    mgr.free("c")  # now a and b share it: the first copies, the second keeps it
+    assert mgr.blocks_needed({"a": 1, "b": 1}) == 1
+    assert mgr.allocate_slots({"a": [5], "b": [6]}) == {"a": 5, "b": 5}
+    assert mgr.num_free_blocks == 0 and len(mgr.take_copies()) == 1
+    mgr.check_invariants()
+
+
+def test_a_shared_prompt_of_one_sequence_is_allocated_as_that_sequence_alone():
+    """A group of one (a request with n=1) sharing its prompt with nobody: allocate_shared
+    gives what allocate gives, its tokens in blocks_for(10) = 3 blocks, computing from 0."""
+    mgr = KVCacheManager(8, 4)
+    assert mgr.allocate_shared(["a"], [list(range(10))], shared=8) == [0]
+    assert mgr.token_ids("a") == list(range(10)) and mgr.num_used_blocks == 3
+    mgr.check_invariants()

@@ -71,6 +71,14 @@ def test_a_bad_speculative_config_is_named(fields, error, message):
         SpeculativeConfig(**fields)
 
 
+def test_a_draft_model_config_without_draft_layers_says_what_they_are():
+    """The refusal explains the field it asks for (pagedlab's own, which vLLM's users do not
+    know): the whole message, not only its start."""
+    with pytest.raises(ValueError, match=r"^speculative method 'draft_model' needs draft_layers, "
+                                         r"the number of the target's layers the draft keeps$"):
+        SpeculativeConfig(method="draft_model")
+
+
 def test_speculative_config_edges_are_allowed_and_a_wrong_type_is_named():
     assert SpeculativeConfig(prompt_lookup_min=3, prompt_lookup_max=3).prompt_lookup_min == 3
     with pytest.raises(TypeError, match=r"^speculative_config=5 must be a dict or Speculat"):

@@ -239,6 +239,15 @@ def test_the_draft_keeps_the_accepted_guesses_and_computes_only_what_is_new(case
         assert caught_up[0] == [1], (accepted, caught_up[0])
 
 
+def test_a_draft_holds_no_swap_space(case):
+    """A draft never swaps (a sequence its pool cannot hold gets no guesses instead), so its
+    runner keeps no CPU blocks: on a GPU machine each would be pinned host memory held for
+    nothing. Its GPU cache holds the pool it was given, block for block."""
+    draft = DraftModelProposer(early_exit(case["model"], 2), 4, 6)
+    assert [tuple(t.shape[0] for t in kv) for kv in draft.runner.kv_caches] == [(6, 6)] * 2
+    assert [tuple(t.shape[0] for t in kv) for kv in draft.runner.cpu_caches] == [(0, 0)] * 2
+
+
 def test_early_exit_keeps_the_targets_kernels_and_names_a_bad_depth(case):
     model = from_hf(case["hf"])
     model.kernels = "triton"

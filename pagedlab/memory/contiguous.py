@@ -89,11 +89,9 @@ class BuddyAllocator:
         self.capacity = capacity
         self._free: dict[int, set[int]] = {}  # block size -> offsets of free blocks of that size
         self._used: dict[int, int] = {}  # offset -> size of each allocated block
-        self._roots: list[tuple[int, int]] = []  # (offset, size); offset is a multiple of size
         offset = 0
         for bit in reversed(range(capacity.bit_length())):
             if capacity >> bit & 1:
-                self._roots.append((offset, 1 << bit))
                 self._free.setdefault(1 << bit, set()).add(offset)
                 offset += 1 << bit
         self.num_used = 0  # slots in allocated blocks
@@ -136,8 +134,10 @@ class BuddyAllocator:
                              f"(double free, or an offset allocate() did not return)")
         size = self._used.pop(offset)
         self.num_used -= size
-        root = next(r_size for r_off, r_size in self._roots if r_off <= offset < r_off + r_size)
-        while size < root and (offset ^ size) in self._free.get(size, ()):
+        # No merge crosses a root, with no bound needed: the roots lie largest first, so a
+        # root's offset is a multiple of twice its size and its buddy's offset is the next,
+        # smaller root's (or the pool's end), where no block of its size can ever be.
+        while (offset ^ size) in self._free.get(size, ()):
             self._free[size].remove(offset ^ size)
             offset, size = min(offset, offset ^ size), 2 * size
         self._free.setdefault(size, set()).add(offset)
