@@ -143,6 +143,7 @@ def number(writer) -> None:
     assert len(numbers) == len(writer.pages), "the number sheets did not come out one a page"
     for page, sheet in zip(writer.pages, numbers):
         page.merge_page(sheet)
+        page.compress_content_streams()  # merging leaves the page's drawing uncompressed: 2x the file
 
 
 def merge(pages: list[tuple[str | None, str]], base: str, printed: list[tuple[bytes, dict]]):
