@@ -208,10 +208,11 @@ def drive(page, url, playground, name, messages):
 
     # Append to the parent of a fork: its shared last block is copied first. Each input is set
     # as a reader would: typing in a text box syncs at once, a number box when Enter is pressed.
-    widget.get_by_label("sequence").fill("A")
-    widget.get_by_label("fork into").fill("B")
-    widget.get_by_label("tokens").fill("1")
-    widget.get_by_label("tokens").press("Enter")
+    # by role: a block view is an image whose label names sequences and tokens too
+    widget.get_by_role("textbox", name="sequence", exact=True).fill("A")
+    widget.get_by_role("textbox", name="fork into", exact=True).fill("B")
+    widget.get_by_role("spinbutton", name="tokens", exact=True).fill("1")
+    widget.get_by_role("spinbutton", name="tokens", exact=True).press("Enter")
     press("append")
     append = ("append", "A", 1)
     line, drawn = expected_after(playground, name, append)
