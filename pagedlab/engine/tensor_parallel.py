@@ -331,8 +331,8 @@ class TensorParallelExecutor:
         self.runner, self.world, self.timeout, self.num_steps = runner, world, timeout, 0
         self.closed = True  # until every rank has joined
         self.workers, self.store = [], None  # spawned processes; the env rendezvous's store
-        self.joined = False  # whether this engine formed the process's group (its to destroy)
-        self.steps = None  # the group the steps go out on (see _join)
+        self.steps = None  # the group the steps go out on (see _join); set once this engine
+        # has formed the process's group, which is then its to destroy
         model = runner.model
         build = dict(args=args, state=state, kernels=model.kernels, dtype=model.dtype,
                      device=str(model.device), cache=cache)
@@ -354,7 +354,6 @@ class TensorParallelExecutor:
             worker.start()
         try:
             self.steps = _join(str(model.device), init_method, 0, world, timeout)
-            self.joined = True
         except Exception as error:
             raise self._failure(error) from error
         self.closed = False
@@ -384,7 +383,6 @@ class TensorParallelExecutor:
         self.progress = _StoreProgress(self.store)
         try:
             self.steps = _join(device, None, 0, world, self.timeout, store=self.store)
-            self.joined = True
             cpu_state = {name: t.cpu() for name, t in build["state"].items()}
             dist.broadcast_object_list([dict(build, state=cpu_state)], src=0, group=self.steps)
         except Exception as error:
@@ -440,9 +438,9 @@ class TensorParallelExecutor:
                 pass
         self.closed = True
         _end(self.workers)
-        if self.joined and dist.is_initialized():  # never another engine's group, formed since
+        if self.steps is not None and dist.is_initialized():  # never another engine's group
             dist.destroy_process_group()
-        self.joined, self.steps = False, None
+        self.steps = None
         if self.store is not None:  # the env rendezvous's port closes with its store
             self.store = self.progress = None
 

@@ -31,7 +31,7 @@ import platform
 import struct
 import sys
 
-PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
+PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 4, 38, 22, 2
 PR_CAPBSET_DROP, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, CAPABILITY_VERSION_3 = 24, 47, 4, 0x20080522
 ALLOW, DENY = 0x7FFF0000, 0x00050000 | 1  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO | EPERM
 LOAD, JEQ, JGE, RET = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_RET|K
@@ -102,5 +102,5 @@ def apply() -> None:
 def undumpable() -> None:
     """Make this process undumpable: a process of the same user (not root) may then neither
     read its memory nor open its descriptors through /proc. Reset by every exec."""
-    ctypes.CDLL(None, use_errno=True).prctl(4, ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0),
-                                            ctypes.c_ulong(0))  # PR_SET_DUMPABLE
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, ctypes.c_ulong(0), ctypes.c_ulong(0),
+                                            ctypes.c_ulong(0), ctypes.c_ulong(0))
